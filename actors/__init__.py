@@ -1,0 +1,1 @@
+"""Thin Ray actor wrappers around sync_service components (trainer shards, rollout engines)."""

@@ -1,0 +1,1 @@
+"""Interfaces and wire types of weightsync. Imports neither Ray nor torch.distributed."""

@@ -1,0 +1,106 @@
+"""The interfaces every weightsync component plugs into.
+
+Trainer side: a ``WeightSource`` yields merged engine tensors (or boxes of them) on demand; the
+bucketer asks it to write each box straight into a bucket view. Receiver side: an
+``EngineAdapter`` exposes an engine's parameter table and applies received boxes, committing a
+weight version atomically. ``Transport`` moves sealed buckets between them.
+
+These are ``typing.Protocol`` classes: implementations need not inherit. Tensors are
+``torch.Tensor`` (CPU or CUDA); nothing here imports Ray or torch.distributed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from enum import Enum
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from protocols.params import Box, ParamMeta
+
+if TYPE_CHECKING:
+    import torch
+
+
+@runtime_checkable
+class WeightSource(Protocol):
+    """Trainer side: the planned stream of engine tensors for one weight version."""
+
+    def param_metas(self) -> Sequence[ParamMeta]:
+        """Every box this source produces, in production order (layer order).
+
+        A name may appear several times with disjoint boxes (e.g. a TP rank's gate and up rows).
+        """
+        ...
+
+    def changed_names(self) -> frozenset[str]:
+        """Names whose values depend on trained state (LoRA targets, modules_to_save).
+
+        A delta sync sends only these; everything else equals the base checkpoint.
+        """
+        ...
+
+    def fill(self, name: str, box: Box, out: "torch.Tensor") -> None:
+        """Write the values of ``box`` of tensor ``name`` into ``out``.
+
+        ``out`` has shape ``box_shape(box)`` and the param's dtype, usually a view into a bucket;
+        it may be reused by the caller as soon as this returns. Blocks until written.
+
+        Raises:
+            KeyError: ``name`` is not produced by this source.
+            ValueError: ``box`` is not inside a box this source owns, or ``out`` has the wrong
+                shape or dtype.
+        """
+        ...
+
+
+class PauseMode(str, Enum):
+    """What happens to in-flight generation while a version is applied (as vLLM's pause modes)."""
+
+    WAIT = "wait"      # let in-flight requests finish on the old version, hold new ones
+    ABORT = "abort"    # abort in-flight requests
+    KEEP = "keep"      # keep serving from the old weights (requires a staged apply)
+
+
+@runtime_checkable
+class EngineAdapter(Protocol):
+    """Receiver side: one rollout engine's parameters and its update lifecycle.
+
+    Lifecycle per sync: ``begin_update`` → ``apply`` × n → ``finish_update`` (post-load
+    processing, once) → ``commit`` — or ``abort`` at any point, after which the engine serves its
+    previous version unchanged.
+    """
+
+    def param_metas(self) -> Sequence[ParamMeta]:
+        """The engine's own parameter table (whole tensors), in the naming it accepts."""
+        ...
+
+    def weight_version(self) -> int | None:
+        """The committed version the engine serves; ``None`` before the first sync."""
+        ...
+
+    def begin_update(self, version: int, names: Sequence[str]) -> None:
+        """Prepare to receive ``names`` for ``version`` (stage buffers, pause generation, ...)."""
+        ...
+
+    def apply(self, name: str, box: Box, data: "torch.Tensor") -> None:
+        """Copy ``data`` (shape ``box_shape(box)``) into ``box`` of parameter ``name``.
+
+        ``data`` is a view into a transport buffer, valid only during the call: copy, never keep it.
+        """
+        ...
+
+    def finish_update(self) -> None:
+        """Post-load processing for everything applied since ``begin_update``; once per sync."""
+        ...
+
+    def commit(self, version: int) -> None:
+        """Make ``version`` the served weights, atomically."""
+        ...
+
+    def abort(self) -> None:
+        """Drop everything staged since ``begin_update``; the previous version stays served."""
+        ...
+
+    def reset_caches(self) -> None:
+        """Drop prefix / KV caches computed under an older version."""
+        ...

@@ -1,0 +1,1 @@
+"""weightsync core: layouts, adapters, merge, bucketing, transports, engines, API and CLI."""
