@@ -1,0 +1,1 @@
+"""Rollout-engine adapters (implementations of ``protocols.interfaces.EngineAdapter``)."""

@@ -1,0 +1,248 @@
+"""The embedded default rollout engine: a transformers causal LM on CPU, updated by staged apply.
+
+Parameter table: the model's ``named_parameters()`` in the transformers v5 in-memory
+("hf-fused") naming — e.g. ``model.layers.0.mlp.experts.gate_up_proj`` [E, 2I, H]. Tied weights
+(``lm_head.weight`` tied to ``model.embed_tokens.weight``) are reported once, under the name
+``named_parameters`` keeps.
+
+Staged apply: ``begin_update(version, names)`` takes one staging buffer per name being updated;
+``apply`` copies received boxes into staging only; ``finish_update`` checks every staged name was
+covered completely; ``commit`` swaps the staging storage into the live parameters under the same
+lock ``generate`` holds for a whole generation, so a generation sees exactly one weight version.
+``abort`` drops staging; the previous version stays served. Swapped-out storage is kept as the next
+sync's staging buffer, so steady-state syncs allocate nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from protocols.params import Box, ParamMeta, box_numel, box_shape
+
+__all__ = ["GenerateResult", "HFEngine", "HFEngineConfig", "dtype_name", "load_causal_lm"]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Wire dtype name (a ``protocols.params.DTYPE_BYTES`` key) of a torch dtype."""
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(kw_only=True, slots=True)
+class HFEngineConfig:
+    """Settings of the embedded transformers engine."""
+
+    lock_timeout_s: float = 60.0
+    """Longest wait for the weights lock (held by a generation or a commit) before ``TimeoutError``."""
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateResult:
+    """Greedy tokens and the committed weight version that produced every one of them.
+
+    Attributes:
+        tokens: generated token ids only (prompt excluded), ``len <= max_new_tokens``.
+        weight_version: the version served during the whole generation; ``None`` before any sync.
+    """
+
+    tokens: list[int]
+    weight_version: int | None
+
+
+def load_causal_lm(path: str | Path, *, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """Load a transformers causal LM from a local directory onto CPU, in eval mode.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+    """
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {str(path)!r} does not exist; pass a saved checkpoint dir")
+    kwargs = {} if dtype is None else {"dtype": dtype}
+    return AutoModelForCausalLM.from_pretrained(str(path), **kwargs).eval()
+
+
+class _Staged:
+    """One name being updated: its staging buffer and how many elements have been applied."""
+
+    __slots__ = ("buffer", "applied")
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.buffer = buffer
+        self.applied = 0
+
+
+class HFEngine:
+    """EngineAdapter over a transformers ``PreTrainedModel`` on CPU (implements ``protocols.EngineAdapter``).
+
+    Thread safety: ``generate`` and ``commit`` may run on different threads (a threaded Ray actor);
+    ``begin_update`` / ``apply`` / ``finish_update`` / ``abort`` / ``commit`` of one sync are
+    called from one thread at a time.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, config: HFEngineConfig | None = None) -> None:
+        self._model = model.eval()
+        self._config = config or HFEngineConfig()
+        self._params: dict[str, torch.nn.Parameter] = dict(model.named_parameters())
+        self._metas = tuple(
+            ParamMeta(name=n, dtype=dtype_name(p.dtype), shape=tuple(p.shape)) for n, p in self._params.items()
+        )
+        self._lock = threading.Lock()
+        self._version: int | None = None
+        self._pending_version: int | None = None
+        self._staged: dict[str, _Staged] = {}
+        self._spare: dict[str, torch.Tensor] = {}  # swapped-out storage, reused as staging
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype | None = None,
+                        config: HFEngineConfig | None = None) -> "HFEngine":
+        return cls(load_causal_lm(path, dtype=dtype), config=config)
+
+    # -- table and state -------------------------------------------------------------------
+    def param_metas(self) -> Sequence[ParamMeta]:
+        return self._metas
+
+    def weight_version(self) -> int | None:
+        return self._version
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Detached clones of the served parameters (for verification; allocates)."""
+        with self._locked():
+            return {n: p.detach().clone() for n, p in self._params.items()}
+
+    # -- update lifecycle ------------------------------------------------------------------
+    def begin_update(self, version: int, names: Sequence[str]) -> None:
+        """Take staging buffers for ``names``.
+
+        Raises:
+            RuntimeError: an update is already in progress (call ``commit`` or ``abort`` first).
+            KeyError: a name is not in this engine's parameter table.
+        """
+        if self._pending_version is not None:
+            raise RuntimeError(
+                f"begin_update({version}) while version {self._pending_version} is in progress; commit or abort it first"
+            )
+        unknown = sorted(set(names) - self._params.keys())
+        if unknown:
+            raise KeyError(f"names not in the engine parameter table: {unknown[:5]} ({len(unknown)} in all)")
+        self._staged = {n: _Staged(self._staging_buffer(n)) for n in dict.fromkeys(names)}
+        self._pending_version = version
+
+    def apply(self, name: str, box: Box, data: torch.Tensor) -> None:
+        """Copy ``data`` into ``box`` of the staging buffer of ``name`` (never the live parameter).
+
+        Raises:
+            RuntimeError: no update in progress.
+            KeyError: ``name`` was not announced in ``begin_update``.
+            ValueError: ``data`` does not have the box's shape, or the box leaves the tensor.
+        """
+        if self._pending_version is None:
+            raise RuntimeError(f"apply({name!r}) without begin_update")
+        staged = self._staged.get(name)
+        if staged is None:
+            raise KeyError(f"{name!r} was not announced in begin_update({self._pending_version})")
+        buf = staged.buffer
+        if len(box) != buf.dim() or any(not (0 <= a < b <= n) for (a, b), n in zip(box, buf.shape)):
+            raise ValueError(f"box {box} of {name!r} is outside its shape {tuple(buf.shape)}")
+        if tuple(data.shape) != box_shape(box):
+            raise ValueError(f"data for {name!r} box {box} has shape {tuple(data.shape)}, expected {box_shape(box)}")
+        buf[tuple(slice(a, b) for a, b in box)].copy_(data)
+        staged.applied += box_numel(box)
+
+    def finish_update(self) -> None:
+        """Check every staged name was covered completely (boxes of one sync are disjoint).
+
+        Raises:
+            ValueError: a name received fewer or more elements than it holds.
+        """
+        bad = {n: (s.applied, s.buffer.numel()) for n, s in self._staged.items() if s.applied != s.buffer.numel()}
+        if bad:
+            detail = ", ".join(f"{n}: {a}/{t}" for n, (a, t) in list(bad.items())[:5])
+            raise ValueError(f"incomplete update {self._pending_version}: elements applied/expected {detail}")
+
+    def commit(self, version: int) -> None:
+        """Swap staged buffers into the live parameters under the generation lock.
+
+        Raises:
+            RuntimeError: ``version`` differs from the one begun.
+        """
+        if self._pending_version != version:
+            raise RuntimeError(f"commit({version}) but the update in progress is {self._pending_version}")
+        with self._locked():
+            for name, staged in self._staged.items():
+                param = self._params[name]
+                self._spare[name] = param.data
+                param.data = staged.buffer
+            self._version = version
+        self._staged = {}
+        self._pending_version = None
+
+    def abort(self) -> None:
+        """Drop staging; the served version is untouched. Idempotent."""
+        for name, staged in self._staged.items():
+            self._spare[name] = staged.buffer
+        self._staged = {}
+        self._pending_version = None
+
+    def reset_caches(self) -> None:
+        """No-op: this engine keeps no KV or prefix cache across ``generate`` calls."""
+
+    # -- serving ---------------------------------------------------------------------------
+    def generate(self, prompt_token_ids: Sequence[int], max_new_tokens: int) -> GenerateResult:
+        """Greedy decoding of one prompt; blocks commits for its duration.
+
+        Raises:
+            ValueError: empty prompt or ``max_new_tokens < 1``.
+        """
+        if not prompt_token_ids or max_new_tokens < 1:
+            raise ValueError(f"need a non-empty prompt and max_new_tokens >= 1, got {len(prompt_token_ids)} / {max_new_tokens}")
+        ids = torch.tensor([list(prompt_token_ids)], dtype=torch.long)
+        with self._locked(), torch.no_grad():
+            out = self._model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                pad_token_id=self._pad_token_id(),
+            )
+            version = self._version
+        return GenerateResult(tokens=out[0, ids.shape[1]:].tolist(), weight_version=version)
+
+    # -- internals -------------------------------------------------------------------------
+    def _staging_buffer(self, name: str) -> torch.Tensor:
+        param = self._params[name]
+        spare = self._spare.pop(name, None)
+        if spare is not None and spare.shape == param.shape and spare.dtype == param.dtype:
+            return spare
+        return torch.empty_like(param.data)
+
+    def _pad_token_id(self) -> int:
+        cfg = getattr(self._model, "generation_config", None)
+        pad = getattr(cfg, "pad_token_id", None) if cfg is not None else None
+        if pad is None:
+            pad = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+        if isinstance(pad, list):
+            pad = pad[0]
+        return 0 if pad is None else int(pad)
+
+    def _locked(self) -> "_TimedLock":
+        return _TimedLock(self._lock, self._config.lock_timeout_s)
+
+
+class _TimedLock:
+    """``with`` over a lock acquired with a timeout."""
+
+    __slots__ = ("_lock", "_timeout_s")
+
+    def __init__(self, lock: threading.Lock, timeout_s: float) -> None:
+        self._lock, self._timeout_s = lock, timeout_s
+
+    def __enter__(self) -> None:
+        if not self._lock.acquire(timeout=self._timeout_s):
+            raise TimeoutError(f"weights lock not acquired within {self._timeout_s} s")
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
