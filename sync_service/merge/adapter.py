@@ -1,0 +1,141 @@
+"""A PEFT LoRA adapter normalised to low-rank terms in hf-fused coordinates.
+
+Legend: E experts, r rank, s scaling. A term says: on the stored tensor ``name`` (hf-fused naming,
+stored orientation), for experts ``[e0, e1)`` (or the whole 2D tensor), add
+``s · x[e] @ y[e]`` to the rows ``range(*rows)`` and columns ``range(*cols)``. Every adapter format
+(dense PEFT LoRA, ``target_parameters`` on 3D experts, legacy per-expert LoRA, embeddings) reduces
+to these terms, so the merge kernel (``source.py``) knows nothing of PEFT.
+
+Sources: LoRA ΔW = (α/r)·B@A (Hu et al. 2021, arXiv:2106.09685); rsLoRA s = α/√r (Kalajdzievski
+2023, arXiv:2312.03732); DoRA W' = m/‖W+ΔW‖_row · (W+ΔW) (Liu et al. 2024, arXiv:2402.09353; PEFT
+``tuners/lora/dora.py``); key and packing rules from PEFT 0.21 (``tuners/lora/layer.py`` ParamWrapper).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from protocols.params import ParamMeta
+from sync_service.merge.errors import MergeError
+from sync_service.merge.layouts import FamilyLayout
+
+Sel = tuple[int, int, int]
+"""``(start, stop, step)`` of a row or column selection, as ``range`` takes them."""
+
+
+def sel_len(sel: Sel) -> int:
+    return len(range(*sel))
+
+
+@dataclass(slots=True)
+class LoraTerm:
+    """One low-rank update ``s · x @ y`` of a stored tensor.
+
+    Attributes:
+        experts: ``(e0, e1)`` expert range of a 3D tensor (dim 0), ``None`` for a 2D tensor.
+        rows: selection on the stored tensor's second-to-last dim.
+        cols: selection on the stored tensor's last dim.
+        x: fp32 [n_e, n_rows, r] (3D target) or [n_rows, r] (2D).
+        y: fp32 [n_e, r, n_cols] or [r, n_cols].
+        scaling: s (α/r, α/√r with rsLoRA, rank_pattern / alpha_pattern applied).
+    """
+
+    experts: tuple[int, int] | None
+    rows: Sel
+    cols: Sel
+    x: torch.Tensor
+    y: torch.Tensor
+    scaling: float
+
+    def clone(self) -> LoraTerm:
+        return LoraTerm(self.experts, self.rows, self.cols, self.x.clone(), self.y.clone(), self.scaling)
+
+
+@dataclass(slots=True)
+class LoraAdapter:
+    """A normalised adapter over hf-fused base names.
+
+    Attributes:
+        terms: base name → low-rank terms to add.
+        dora_magnitudes: base name → DoRA magnitude m [out] (fp32): the merged tensor is
+            ``m / ‖W + ΔW‖_row · (W + ΔW)`` (2D dense tensors only).
+        replacements: base name → trained copy (modules_to_save); replaces the base tensor.
+    """
+
+    terms: dict[str, list[LoraTerm]] = field(default_factory=dict)
+    dora_magnitudes: dict[str, torch.Tensor] = field(default_factory=dict)
+    replacements: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def changed_names(self) -> frozenset[str]:
+        """Base names whose merged values differ from the base."""
+        return frozenset(self.terms) | frozenset(self.dora_magnitudes) | frozenset(self.replacements)
+
+    def snapshot(self) -> LoraAdapter:
+        """A deep copy of every tensor held, so the trainer may keep updating its factors."""
+        return LoraAdapter(
+            terms={n: [t.clone() for t in ts] for n, ts in self.terms.items()},
+            dora_magnitudes={n: m.clone() for n, m in self.dora_magnitudes.items()},
+            replacements={n: r.clone() for n, r in self.replacements.items()},
+        )
+
+
+def adapter_from_state_dict(
+    peft_config,
+    state_dict: Mapping[str, torch.Tensor],
+    layout: FamilyLayout,
+    base_metas: Sequence[ParamMeta],
+    *,
+    tied_aliases: Mapping[str, str] | None = None,
+) -> LoraAdapter:
+    """Normalise a PEFT LoRA state dict (as ``peft.get_peft_model_state_dict(model)`` returns it,
+    or as ``adapter_model.safetensors`` holds it) against the base tensors ``base_metas``.
+
+    Tensors are referenced, not copied, where already fp32 (call ``snapshot()`` to detach from a
+    live trainer).
+
+    Raises:
+        MergeError: non-LoRA adapter type, lora_bias, a key matching no base tensor, a shape or
+            rank mismatch, DoRA where PEFT has no DoRA (3D experts, embeddings).
+    """
+    from sync_service.merge.adapter_keys import normalise
+
+    return normalise(peft_config, state_dict, layout, base_metas, dict(tied_aliases or {}))
+
+
+def load_adapter(
+    adapter_dir: str | Path,
+    layout: FamilyLayout,
+    base_metas: Sequence[ParamMeta],
+    *,
+    tied_aliases: Mapping[str, str] | None = None,
+) -> LoraAdapter:
+    """Read a PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``).
+
+    Raises:
+        MergeError: missing files, a pickled ``adapter_model.bin`` (never unpickled: convert it to
+            safetensors), or anything ``adapter_from_state_dict`` rejects.
+    """
+    from peft import PeftConfig
+    from safetensors.torch import load_file
+
+    adapter_dir = Path(adapter_dir)
+    config_path = adapter_dir / "adapter_config.json"
+    if not config_path.is_file():
+        raise MergeError(f"{adapter_dir}: no adapter_config.json; pass a directory written by PeftModel.save_pretrained")
+    peft_type = json.loads(config_path.read_text()).get("peft_type")
+    if peft_type != "LORA":
+        raise MergeError(
+            f"{config_path}: peft_type {peft_type!r} is not a LoRA adapter; only LoRA (incl. rsLoRA, DoRA) "
+            f"adapters merge additively — merge it with PEFT's merge_and_unload instead"
+        )
+    peft_config = PeftConfig.from_pretrained(str(adapter_dir))
+    weights = adapter_dir / "adapter_model.safetensors"
+    if not weights.is_file():
+        hint = " (adapter_model.bin is pickled and is never loaded here)" if (adapter_dir / "adapter_model.bin").exists() else ""
+        raise MergeError(f"{adapter_dir}: no adapter_model.safetensors{hint}; save the adapter with safe_serialization=True")
+    return adapter_from_state_dict(peft_config, load_file(str(weights)), layout, base_metas, tied_aliases=tied_aliases)

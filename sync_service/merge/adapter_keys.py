@@ -1,0 +1,210 @@
+"""PEFT adapter keys → ``LoraTerm``s (the rules of PEFT 0.21, ``tuners/lora``).
+
+Key forms (``base_model.model.`` prefix stripped, adapter name already dropped by PEFT):
+- dense: ``<module>.lora_A.weight`` [r, in], ``<module>.lora_B.weight`` [out, r]; ΔW = s·B@A
+  (``fan_in_fan_out``: W is [in, out], ΔW transposed). DoRA adds ``<module>.lora_magnitude_vector`` [out].
+- embedding: ``<module>.lora_embedding_A`` [r, V], ``<module>.lora_embedding_B`` [H, r]; ΔW = s·(B@A)ᵀ.
+- ``target_parameters`` on 3D experts: ``<experts>(.base_layer)*k.lora_{A,B}.weight``; the targeted
+  parameters nest in registration order, the first innermost (most ``base_layer``s).
+  A [r·E, in] rows expert-major (e·r + k), B [out, r·E] columns rank-major (k·E + e):
+  Δ[e] = s · B.reshape(out, r, E)[:, :, e] @ A.reshape(E, r, in)[e]. in/out per PEFT: for [E, d1, d2]
+  stored [out, in] per expert (not ``is_transposed``) out = d1, in = d2; for ``is_transposed``
+  (gpt_oss) in = d1, out = d2 and the stored Δ[e] is the transpose.
+- legacy per-expert: ``<experts>.N.<gate_proj|up_proj|down_proj|w1|w3|w2>.lora_{A,B}.weight`` trained on
+  a pre-fusion model; applied exactly per expert with the adapter's own r and α (rsLoRA honoured).
+- anything else without ``lora_``: a modules_to_save copy replacing the base tensor of that name.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+
+import torch
+
+from protocols.params import ParamMeta
+from sync_service.merge.adapter import LoraAdapter, LoraTerm, sel_len
+from sync_service.merge.errors import MergeError
+from sync_service.merge.layouts import FamilyLayout
+
+_PREFIX = "base_model.model."
+_LORA_PARTS = ("lora_A.weight", "lora_B.weight", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
+_NON_LORA = ("hada_", "lokr_", "ia3_", "oft_", "boft_", "vera_", "fourierft_", "lora_E", "ranknum")
+
+
+def _scaling(config, key: str) -> tuple[int, float]:
+    """(r, s) of a PEFT module key, with rank_pattern / alpha_pattern (PEFT ``get_pattern_key``)."""
+    from peft.utils.other import get_pattern_key
+
+    r = config.rank_pattern.get(get_pattern_key(config.rank_pattern.keys(), key), config.r)
+    alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), key), config.lora_alpha)
+    return r, (alpha / math.sqrt(r) if config.use_rslora else alpha / r)
+
+
+def _group(state_dict) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    modules: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
+    plain: dict[str, torch.Tensor] = {}
+    for key, t in state_dict.items():
+        name = key.removeprefix(_PREFIX)
+        if re.search(r"\.lora_B\.bias$", name):
+            raise MergeError(f"adapter key {key}: lora_bias=True adapters are not supported; retrain with lora_bias=False")
+        bad = next((p for p in _NON_LORA if f".{p}" in name), None)
+        if bad is not None:
+            raise MergeError(f"adapter key {key}: {bad!r} is not a LoRA weight; only LoRA adapters merge here")
+        part = next((p for p in _LORA_PARTS if name.endswith("." + p)), None)
+        if part is None:
+            if ".lora_" in name:
+                raise MergeError(f"adapter key {key}: unsupported LoRA tensor; supported: {', '.join(_LORA_PARTS)}")
+            plain[name] = t
+        else:
+            modules[name[: -len(part) - 1]][part] = t
+    return modules, plain
+
+
+def _check_pair(module: str, parts: dict[str, torch.Tensor], a: str, b: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if a not in parts or b not in parts:
+        raise MergeError(f"adapter module {module}: needs both {a} and {b}, has {sorted(parts)}")
+    return parts[a].float(), parts[b].float()
+
+
+def normalise(config, state_dict, layout: FamilyLayout, base_metas, tied: dict[str, str]) -> LoraAdapter:
+    if getattr(config, "peft_type", None) is not None and str(getattr(config.peft_type, "value", config.peft_type)) != "LORA":
+        raise MergeError(f"adapter peft_type {config.peft_type} is not LoRA; only LoRA adapters merge here")
+    if getattr(config, "lora_bias", False):
+        raise MergeError("adapter_config lora_bias=True is not supported; retrain with lora_bias=False")
+    metas = {m.name: m for m in base_metas}
+    modules, plain = _group(state_dict)
+    out = LoraAdapter()
+    ctx = _Ctx(config, layout, metas, tied, out)
+    for module, parts in modules.items():
+        ctx.module(module, parts)
+    for name, t in plain.items():
+        ctx.replacement(name, t)
+    return out
+
+
+class _Ctx:
+    def __init__(self, config, layout: FamilyLayout, metas: dict[str, ParamMeta], tied: dict[str, str], out: LoraAdapter):
+        self.config, self.layout, self.metas, self.tied, self.out = config, layout, metas, tied, out
+
+    def resolve(self, name: str) -> str | None:
+        name = self.layout.from_disk(name)
+        name = self.tied.get(name, name)
+        return name if name in self.metas else None
+
+    def add(self, name: str, term: LoraTerm) -> None:
+        self.out.terms.setdefault(name, []).append(term)
+
+    def module(self, module: str, parts: dict[str, torch.Tensor]) -> None:
+        stripped = self.layout.from_disk(re.sub(r"(\.base_layer)+$", "", module))
+        if stripped != self.layout.from_disk(module) or re.search(rf"(^|\.){re.escape(self.layout.experts_module)}$", stripped):
+            return self.target_parameter(module, stripped, parts)
+        target = self.resolve(module + ".weight")
+        if target is not None:
+            return self.dense(module, target, parts)
+        legacy = re.fullmatch(rf"(.*\.)?{re.escape(self.layout.experts_module)}\.(\d+)\.([A-Za-z0-9_]+)", self.layout.from_disk(module))
+        if legacy is not None and self.layout.slot_of(legacy.group(3)) is not None:
+            return self.legacy(module, legacy.group(1) or "", int(legacy.group(2)), legacy.group(3), parts)
+        raise MergeError(
+            f"adapter module {module} ({', '.join(sorted(parts))}) matches no base tensor (looked for {module}.weight "
+            f"and {self.layout.family} expert names); the adapter was trained on a different model — check "
+            f"the base checkpoint and the adapter's base_model_name_or_path"
+        )
+
+    def dense(self, module: str, target: str, parts: dict[str, torch.Tensor]) -> None:
+        meta = self.metas[target]
+        r, s = _scaling(self.config, module)
+        if "lora_embedding_A" in parts:
+            a, b = _check_pair(module, parts, "lora_embedding_A", "lora_embedding_B")
+            x, y = a.T, b.T  # ΔW [V, H] = (B@A)ᵀ
+            if "lora_magnitude_vector" in parts:
+                raise MergeError(f"adapter module {module}: DoRA on embeddings is not supported")
+        else:
+            a, b = _check_pair(module, parts, "lora_A.weight", "lora_B.weight")
+            x, y = (a.T, b.T) if self.config.fan_in_fan_out else (b, a)
+        if len(meta.shape) != 2 or x.shape[0] != meta.shape[0] or y.shape[1] != meta.shape[1] or x.shape[1] != r:
+            raise MergeError(
+                f"adapter module {module}: LoRA factors A {list(a.shape)}, B {list(b.shape)} (r={r}) do not fit "
+                f"base {target} {list(meta.shape)}; the adapter was trained on a different model size"
+            )
+        self.add(target, LoraTerm(None, (0, meta.shape[0], 1), (0, meta.shape[1], 1), x, y, s))
+        if "lora_magnitude_vector" in parts:
+            m = parts["lora_magnitude_vector"].float().reshape(-1)
+            if self.config.fan_in_fan_out or m.numel() != meta.shape[0]:
+                raise MergeError(f"adapter module {module}: DoRA magnitude {list(m.shape)} does not fit {target} {list(meta.shape)}")
+            self.out.dora_magnitudes[target] = m
+
+    def _experts_meta(self, module: str, name: str) -> ParamMeta:
+        target = self.resolve(name)
+        if target is None or len(self.metas[target].shape) != 3:
+            raise MergeError(f"adapter module {module}: base has no fused 3D expert tensor {name}")
+        return self.metas[target]
+
+    def target_parameter(self, module: str, experts: str, parts: dict[str, torch.Tensor]) -> None:
+        if "lora_magnitude_vector" in parts:
+            raise MergeError(f"adapter module {module}: DoRA is not defined for target_parameters (PEFT ParamWrapper)")
+        lay = self.layout
+        targets = list(getattr(self.config, "target_parameters", None) or [])
+        chosen = [
+            p for p in lay.expert_params
+            if any(f"{experts}.{p}" == t or f"{experts}.{p}".endswith("." + t) for t in targets)
+        ]
+        depth = module.count(".base_layer")
+        if depth >= len(chosen):
+            raise MergeError(
+                f"adapter module {module}: nesting depth {depth} but target_parameters {targets} select "
+                f"{chosen} on {experts}; the adapter_config does not describe this adapter"
+            )
+        param = chosen[len(chosen) - 1 - depth]
+        key = f"{experts}.{param}"
+        meta = self._experts_meta(module, key)
+        num_experts, d1, d2 = meta.shape
+        a, b = _check_pair(module, parts, "lora_A.weight", "lora_B.weight")
+        r, s = _scaling(self.config, key)
+        in_f, out_f = (d2, d1) if lay.orientation == "out_in" else (d1, d2)
+        if tuple(a.shape) != (r * num_experts, in_f) or tuple(b.shape) != (out_f, r * num_experts):
+            raise MergeError(
+                f"adapter module {module} ({param}): A {list(a.shape)}, B {list(b.shape)} do not fit base "
+                f"{meta.name} {list(meta.shape)} with r={r}: expected A [{r * num_experts}, {in_f}], B [{out_f}, {r * num_experts}]"
+            )
+        a_e = a.reshape(num_experts, r, in_f)  # [E, r, in]
+        b_e = b.reshape(out_f, r, num_experts).permute(2, 0, 1)  # [E, out, r]
+        x, y = (b_e, a_e) if lay.orientation == "out_in" else (a_e.transpose(1, 2), b_e.transpose(1, 2))
+        self.add(meta.name, LoraTerm((0, num_experts), (0, d1, 1), (0, d2, 1), x, y, s))
+
+    def legacy(self, module: str, prefix: str, expert: int, per_expert: str, parts: dict[str, torch.Tensor]) -> None:
+        lay = self.layout
+        if "lora_magnitude_vector" in parts:
+            raise MergeError(f"adapter module {module}: DoRA on per-expert modules of a fused base is not supported")
+        slot = lay.slot_of(per_expert)
+        meta = self._experts_meta(module, f"{prefix}{lay.experts_module}.{lay.slot_param(slot)}")
+        num_experts, d1, d2 = meta.shape
+        if expert >= num_experts:
+            raise MergeError(f"adapter module {module}: expert {expert} but base {meta.name} has E={num_experts}")
+        a, b = _check_pair(module, parts, "lora_A.weight", "lora_B.weight")
+        r, s = _scaling(self.config, module)
+        out_dim = 1 if lay.orientation == "out_in" else 2
+        sel = lay.out_selection(slot, meta.shape[out_dim])
+        in_f = d2 if out_dim == 1 else d1
+        if tuple(a.shape) != (r, in_f) or tuple(b.shape) != (sel_len(sel), r):
+            raise MergeError(
+                f"adapter module {module}: A {list(a.shape)}, B {list(b.shape)} do not fit expert {expert} of "
+                f"{meta.name} {list(meta.shape)} with r={r}: expected A [{r}, {in_f}], B [{sel_len(sel)}, {r}]"
+            )
+        if out_dim == 1:
+            term = LoraTerm((expert, expert + 1), sel, (0, d2, 1), b[None], a[None], s)
+        else:
+            term = LoraTerm((expert, expert + 1), (0, d1, 1), sel, a.T[None], b.T[None], s)
+        self.add(meta.name, term)
+
+    def replacement(self, name: str, t: torch.Tensor) -> None:
+        target = self.resolve(name)
+        if target is None:
+            raise MergeError(
+                f"adapter key {name} matches no base tensor; a modules_to_save copy must name a base "
+                f"tensor (e.g. lm_head.weight) — the adapter was trained on a different model"
+            )
+        if tuple(t.shape) != self.metas[target].shape:
+            raise MergeError(f"adapter key {name}: shape {list(t.shape)} != base {target} {list(self.metas[target].shape)}")
+        self.out.replacements[target] = t

@@ -1,0 +1,207 @@
+"""Base weights in hf-fused naming: a lazy safetensors checkpoint or in-memory tensors.
+
+A ``BaseProvider`` lists the base tensors (``metas()``, in layer order, whole tensors, global
+shapes) and reads any box of one (``read(name, box)``). Sharded trainers implement their own
+provider over a local shard (global boxes → local offsets); keep the protocol this small.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+from safetensors import safe_open
+
+from protocols.params import Box, ParamMeta, box_shape, full_box
+from sync_service.merge.errors import MergeError
+from sync_service.merge.layouts import FamilyLayout, layout_for
+from sync_service.merge.targets import Piece, target_pieces
+
+# safetensors dtype tags → wire dtype names (protocols.params.DTYPE_BYTES keys)
+_ST_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32",
+    "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+}
+
+
+def wire_dtype(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` → ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def layer_order_key(name: str) -> tuple[int, int, str]:
+    """Sort key: embeddings, then decoder layers by index, then the rest (final norm, lm_head)."""
+    m = re.search(r"\.layers\.(\d+)\.", name)
+    if m:
+        return (1, int(m.group(1)), "")
+    return (0 if "embed" in name else 2, 0, "")
+
+
+@runtime_checkable
+class BaseProvider(Protocol):
+    """Base tensors in hf-fused naming. Optional attribute ``tied_aliases: dict[str, str]`` maps a
+    tied alias that is not listed (``lm_head.weight``) to the listed tensor it shares."""
+
+    def metas(self) -> list[ParamMeta]:
+        """Whole tensors (``box=None``), global shapes, wire dtype names, in layer order."""
+        ...
+
+    def read(self, name: str, box: Box) -> torch.Tensor:
+        """Base values of ``box`` of ``name``, shape ``box_shape(box)``; the caller never modifies it
+        (it may be a view of the base). Raises ``KeyError`` for an unknown name."""
+        ...
+
+
+class TensorDictBase:
+    """In-memory base tensors in hf-fused names (e.g. a transformers model's ``state_dict()``).
+
+    Tensors sharing storage (tied embeddings) are listed once, under the first name; later names
+    go to ``tied_aliases``. ``read`` returns views: zero copies.
+    """
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        self._tensors: dict[str, torch.Tensor] = {}
+        self.tied_aliases: dict[str, str] = {}
+        seen: dict[tuple[int, tuple[int, ...], tuple[int, ...]], str] = {}
+        for name, t in tensors.items():
+            key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+            if t.numel() and key in seen:
+                self.tied_aliases[name] = seen[key]
+                continue
+            seen[key] = name
+            self._tensors[name] = t.detach()
+        order = sorted(self._tensors, key=lambda n: (layer_order_key(n)[:2]))
+        self._metas = [ParamMeta(n, wire_dtype(self._tensors[n].dtype), tuple(self._tensors[n].shape)) for n in order]
+
+    def metas(self) -> list[ParamMeta]:
+        return list(self._metas)
+
+    def read(self, name: str, box: Box) -> torch.Tensor:
+        t = self._tensors[name]
+        return t[tuple(slice(a, b) for a, b in box)]
+
+
+class SafetensorsBase:
+    """A safetensors checkpoint directory read lazily (``safe_open``), in hf-fused naming.
+
+    Maps any on-disk naming the family table knows: per-expert keys (``…experts.N.gate_proj.weight``,
+    Mixtral ``block_sparse_moe.experts.N.w1``) are assembled into fused tensors, fused keys are
+    taken as they are, a VL prefix (``model.language_model.``) is kept. Reads only the bytes of the
+    requested box. Memory: one open handle per file.
+
+    Raises:
+        MergeError: no ``config.json`` / safetensors, unsupported family, missing or mis-shaped experts.
+    """
+
+    def __init__(self, checkpoint_dir: str | Path, layout: FamilyLayout | None = None):
+        self.dir = Path(checkpoint_dir)
+        config_path = self.dir / "config.json"
+        if not config_path.is_file():
+            raise MergeError(f"{self.dir}: no config.json; pass a directory written by save_pretrained")
+        self.config: dict = json.loads(config_path.read_text())
+        self.layout = layout or layout_for(self.config)
+        self._handles: dict[str, object] = {}
+        disk = self._disk_index()
+        self._plans: dict[str, list[tuple[Piece, str]]] = {}
+        self._metas = self._assemble(disk)
+        self.tied_aliases = self._tied(disk)
+
+    def _disk_index(self) -> dict[str, tuple[str, str, tuple[int, ...]]]:
+        """disk key → (file, wire dtype, shape)."""
+        files = sorted(self.dir.glob("*.safetensors"))
+        if not files:
+            raise MergeError(f"{self.dir}: no *.safetensors files; convert the checkpoint with save_pretrained")
+        index = {}
+        for path in files:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    sl = f.get_slice(key)
+                    index[key] = (str(path), _ST_DTYPES[sl.get_dtype()], tuple(sl.get_shape()))
+        return index
+
+    def _assemble(self, disk: dict[str, tuple[str, str, tuple[int, ...]]]) -> list[ParamMeta]:
+        lay = self.layout
+        names = "|".join(re.escape(n) for n in lay.per_expert_names)
+        experts_disk = re.escape(lay.to_disk("." + lay.experts_module))
+        pattern = re.compile(rf"(.*){experts_disk}\.(\d+)\.({names})\.weight")
+        groups: dict[tuple[str, str], dict[int, str]] = defaultdict(dict)
+        metas: dict[str, ParamMeta] = {}
+        for key, (file, dtype, shape) in disk.items():
+            m = pattern.fullmatch(key)
+            if m is None or lay.disk == "fused":
+                name = lay.from_disk(key)
+                metas[name] = ParamMeta(name, dtype, shape)
+                self._plans[name] = [(Piece(key, full_box(shape)), file)]
+                continue
+            slot = lay.slot_of(m.group(3))
+            param = lay.slot_param(slot)
+            fused = lay.from_disk(m.group(1) + "." + lay.experts_module) + "." + param
+            groups[(fused, param)][int(m.group(2))] = key
+        for (fused, param), by_expert in groups.items():
+            metas[fused] = self._fused_meta(fused, param, by_expert, disk)
+        order = sorted(metas, key=lambda n: layer_order_key(n)[:2])
+        return [metas[n] for n in order]
+
+    def _fused_meta(self, fused: str, param: str, by_expert: dict[int, str], disk) -> ParamMeta:
+        lay = self.layout
+        num_experts = max(by_expert) + 1
+        a_key = next(iter(by_expert.values()))
+        _, dtype, (out_f, in_f) = disk[a_key]
+        if param == lay.gate_up:
+            out_f *= 2
+        shape = (num_experts, out_f, in_f) if lay.orientation == "out_in" else (num_experts, in_f, out_f)
+        plan = []
+        for piece in target_pieces("hf", fused, shape, lay):
+            if piece.name not in disk:
+                raise MergeError(f"{self.dir}: checkpoint lacks {piece.name} (needed for {fused} {list(shape)})")
+            file, p_dtype, p_shape = disk[piece.name]
+            if p_shape != piece.shape or p_dtype != dtype:
+                raise MergeError(
+                    f"{self.dir}: {piece.name} is {p_dtype}{list(p_shape)}, expected {dtype}{list(piece.shape)} "
+                    f"like the other experts of {fused}"
+                )
+            plan.append((piece, file))
+        self._plans[fused] = plan
+        return ParamMeta(fused, dtype, shape)
+
+    def _tied(self, disk) -> dict[str, str]:
+        alias_suffix, kept_suffix = self.layout.tied_alias
+        if not self.config.get("tie_word_embeddings", False) or any(k.endswith(alias_suffix) for k in disk):
+            return {}
+        kept = [m.name for m in self._metas if m.name.endswith(kept_suffix)]
+        return {alias_suffix: kept[0]} if kept else {}
+
+    def metas(self) -> list[ParamMeta]:
+        return list(self._metas)
+
+    def _handle(self, file: str):
+        if file not in self._handles:
+            self._handles[file] = safe_open(file, framework="pt")
+        return self._handles[file]
+
+    def read(self, name: str, box: Box) -> torch.Tensor:
+        plan = self._plans[name]
+        if len(plan) == 1 and not plan[0][0].drop_dim0 and not plan[0][0].transpose:
+            piece, file = plan[0]
+            return self._handle(file).get_slice(piece.name)[tuple(slice(a, b) for a, b in box)]
+        out = None
+        for piece, file in plan:
+            sub = tuple((max(a, pa), min(b, pb)) for (a, b), (pa, pb) in zip(box, piece.box))
+            if any(a >= b for a, b in sub):
+                continue
+            rel = tuple((a - pa, b - pa) for (a, b), (pa, _) in zip(sub, piece.box))
+            tgt = rel[1:] if piece.drop_dim0 else rel
+            if piece.transpose:
+                tgt = tgt[:-2] + (tgt[-1], tgt[-2])
+            values = self._handle(file).get_slice(piece.name)[tuple(slice(a, b) for a, b in tgt)]
+            if out is None:
+                out = torch.empty(box_shape(box), dtype=values.dtype)
+            out[tuple(slice(a - ba, b - ba) for (a, b), (ba, _) in zip(sub, box))] = piece.from_target(values)
+        assert out is not None, f"box {box} of {name} covers no piece"
+        return out

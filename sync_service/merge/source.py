@@ -1,0 +1,171 @@
+"""``MergedSource``: the merged weights as a ``WeightSource`` in hf-fused naming.
+
+Out of place: the base is only read. Per box: base values → fp32 scratch (reused, budgeted) →
++ Σ s·x@y (fused ``addmm_``/``baddbmm_``) → DoRA rescale if any → one cast into ``out``.
+Tensors the adapter does not touch are copied straight from the base (one cast, no scratch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from protocols.params import Box, ParamMeta, box_shape, full_box
+from sync_service.merge.adapter import LoraAdapter
+from sync_service.merge.base import BaseProvider
+from sync_service.merge.errors import MergeError
+from sync_service.merge.layouts import FamilyLayout
+from sync_service.merge.staging import Scratch, apply_terms, chunks
+from sync_service.merge.targets import target_pieces
+
+
+@dataclass(kw_only=True, slots=True)
+class MergeConfig:
+    """How ``MergedSource`` merges."""
+
+    out_dtype: str | None = None
+    """Wire dtype name of the merged tensors (``"bfloat16"``, ...); ``None`` keeps each base tensor's dtype."""
+    staging_bytes: int = 64 << 20
+    """Budget of the fp32 scratch, bytes; boxes larger than this are merged in chunks."""
+    check_finite: bool = False
+    """Raise ``MergeError`` naming the tensor when a merged value is NaN or Inf (costs one pass)."""
+
+
+def _inside(box: Box, outer: Box) -> bool:
+    return len(box) == len(outer) and all(oa <= a <= b <= ob for (a, b), (oa, ob) in zip(box, outer))
+
+
+def _rel(sub: Box, box: Box) -> tuple[slice, ...]:
+    return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(sub, box))
+
+
+class MergedSource:
+    """Base + LoRA merged on demand; implements ``protocols.interfaces.WeightSource``.
+
+    Args:
+        base: the base tensors (never modified).
+        adapter: normalised adapter, or ``None`` (the base as is). Not copied: pass
+            ``adapter.snapshot()`` if the trainer keeps updating the factors meanwhile.
+        config: dtype, staging budget, finiteness check.
+        owned: the boxes this source produces (default: every base tensor whole, in layer order).
+        layout: family layout, needed for target namings other than ``hf-fused`` (default:
+            ``base.layout`` when the base has one).
+    """
+
+    def __init__(
+        self,
+        base: BaseProvider,
+        adapter: LoraAdapter | None,
+        *,
+        config: MergeConfig,
+        owned: Sequence[ParamMeta] | None = None,
+        layout: FamilyLayout | None = None,
+    ):
+        self.base = base
+        self.adapter = adapter or LoraAdapter()
+        self.config = config
+        self.layout = layout or getattr(base, "layout", None)
+        self._base_metas = {m.name: m for m in base.metas()}
+        if config.out_dtype is not None and not hasattr(torch, config.out_dtype):
+            raise MergeError(f"MergeConfig.out_dtype {config.out_dtype!r} is not a torch dtype name (e.g. 'bfloat16')")
+        if owned is None:
+            owned = [ParamMeta(m.name, config.out_dtype or m.dtype, m.shape) for m in self._base_metas.values()]
+        self._owned = list(owned)
+        self._boxes: dict[str, list[Box]] = {}
+        for meta in self._owned:
+            if meta.name not in self._base_metas:
+                raise MergeError(f"owned box names {meta.name}, which is not a base tensor")
+            self._boxes.setdefault(meta.name, []).append(meta.covered_box())
+        self._scratch = Scratch(config.staging_bytes)
+
+    @property
+    def peak_staging_bytes(self) -> int:
+        """Largest fp32 scratch in use at once so far, bytes (<= ``config.staging_bytes``)."""
+        return self._scratch.peak_bytes
+
+    def param_metas(self) -> Sequence[ParamMeta]:
+        return list(self._owned)
+
+    def changed_names(self) -> frozenset[str]:
+        return self.adapter.changed_names() & frozenset(self._boxes)
+
+    def out_dtype(self, name: str) -> torch.dtype:
+        return getattr(torch, self.config.out_dtype or self._base_metas[name].dtype)
+
+    def fill(self, name: str, box: Box, out: torch.Tensor) -> None:
+        """Write the merged values of ``box`` of ``name`` into ``out`` (shape ``box_shape(box)``).
+
+        Raises:
+            KeyError: ``name`` is not owned. ValueError (MergeError): box outside the owned
+            boxes, wrong ``out`` shape/dtype, or non-finite values with ``check_finite``.
+        """
+        if name not in self._boxes:
+            raise KeyError(f"{name} is not produced by this MergedSource")
+        box = tuple(tuple(ab) for ab in box)
+        if not any(_inside(box, owned) for owned in self._boxes[name]):
+            raise MergeError(f"box {box} of {name} is not inside an owned box {self._boxes[name]}")
+        if tuple(out.shape) != box_shape(box) or out.dtype != self.out_dtype(name):
+            raise MergeError(f"out for {name} {box}: got {out.dtype}{list(out.shape)}, want {self.out_dtype(name)}{list(box_shape(box))}")
+        adapter = self.adapter
+        if name in adapter.replacements:
+            out.copy_(adapter.replacements[name][tuple(slice(a, b) for a, b in box)])
+        elif name in adapter.dora_magnitudes:
+            self._fill_dora(name, box, out)
+        elif name in adapter.terms:
+            terms = adapter.terms[name]
+            for sub in chunks(box, self.config.staging_bytes):
+                base = self.base.read(name, sub)
+                scratch = self._scratch.view(box_shape(sub), base.device)
+                scratch.copy_(base)
+                apply_terms(scratch, sub, terms)
+                self._check(name, scratch)
+                out[_rel(sub, box)].copy_(scratch)
+        else:
+            out.copy_(self.base.read(name, box))
+            if self.config.check_finite and out.is_floating_point():
+                self._check(name, out)
+        return None
+
+    def _fill_dora(self, name: str, box: Box, out: torch.Tensor) -> None:
+        """DoRA (2D): rows of ``box`` scaled by m / ‖W + ΔW‖ over the whole row (PEFT ``dora.py``)."""
+        terms, magnitude = self.adapter.terms.get(name, []), self.adapter.dora_magnitudes[name]
+        (r0, r1), cols = box
+        width = self._base_metas[name].shape[1]
+        sq = torch.zeros(r1 - r0, dtype=torch.float32)
+        for sub in chunks(((r0, r1), (0, width)), self.config.staging_bytes):
+            scratch = self._merged(name, sub, terms)
+            sq[sub[0][0] - r0: sub[0][1] - r0] += scratch.square().sum(dim=1).cpu()
+        factor = magnitude[r0:r1].cpu() / sq.sqrt()
+        for sub in chunks(box, self.config.staging_bytes):
+            scratch = self._merged(name, sub, terms)
+            scratch.mul_(factor[sub[0][0] - r0: sub[0][1] - r0].to(scratch.device).unsqueeze(1))
+            self._check(name, scratch)
+            out[_rel(sub, box)].copy_(scratch)
+
+    def _merged(self, name: str, sub: Box, terms) -> torch.Tensor:
+        base = self.base.read(name, sub)
+        scratch = self._scratch.view(box_shape(sub), base.device)
+        scratch.copy_(base)
+        apply_terms(scratch, sub, terms)
+        return scratch
+
+    def _check(self, name: str, values: torch.Tensor) -> None:
+        if self.config.check_finite and not bool(torch.isfinite(values).all()):
+            raise MergeError(f"merged {name} has NaN or Inf values; check the adapter factors and the base")
+
+    def iter_tensors(self, target: str = "hf-fused") -> Iterator[tuple[str, torch.Tensor]]:
+        """Whole merged tensors in layer order, in naming ``target`` (see ``targets.TARGETS``).
+
+        Each yielded tensor is new (the caller may keep it); memory held at once: one target tensor.
+        Raises ``MergeError`` for an unknown target.
+        """
+        for meta in self._owned:
+            shape = self._base_metas[meta.name].shape
+            if meta.covered_box() != full_box(shape):
+                raise MergeError(f"iter_tensors needs whole tensors; {meta.name} is owned as box {meta.box}")
+            for piece in target_pieces(target, meta.name, shape, self.layout):
+                buf = torch.empty(box_shape(piece.box), dtype=self.out_dtype(meta.name))
+                self.fill(meta.name, piece.box, buf)
+                yield piece.name, piece.to_target(buf).contiguous()
