@@ -1,0 +1,13 @@
+"""Trainer-side sharding as training frameworks shard: expert parallel, tensor parallel, FSDP.
+
+``ShardSpec`` + ``rules.py`` say which global boxes a rank holds; ``ShardedBase`` serves global
+boxes from the rank's local tensors (a ``BaseProvider``); ``factors.py`` all-gathers LoRA factors
+(never the base) so each rank can merge its own base shard.
+"""
+
+from sync_service.sharding.base import ShardedBase, load_shard, shard_tensors
+from sync_service.sharding.factors import gather_factors, local_factors
+from sync_service.sharding.rules import Piece, ShardSpec, shard_pieces
+
+__all__ = ["Piece", "ShardSpec", "ShardedBase", "gather_factors", "load_shard", "local_factors",
+           "shard_pieces", "shard_tensors"]
