@@ -104,3 +104,69 @@ class EngineAdapter(Protocol):
     def reset_caches(self) -> None:
         """Drop prefix / KV caches computed under an older version."""
         ...
+
+
+class TransportError(RuntimeError):
+    """A transport cannot deliver: the peer is gone, the channel is closed or broken."""
+
+
+class PeerLostError(TransportError):
+    """The peer process died or closed its side mid-sync."""
+
+
+@runtime_checkable
+class TransportSender(Protocol):
+    """Sender side of a transport: moves frames from one sender to every receiver of the spec.
+
+    A frame is a msgpack header (``protocols.wire``) plus an optional payload: a 1-D uint8 buffer
+    (numpy array or memoryview) of a sealed bucket. Frames arrive in send order at every receiver.
+    """
+
+    @property
+    def num_receivers(self) -> int:
+        """How many receivers every frame goes to (and how many replies a sync expects)."""
+        ...
+
+    def send(self, header: bytes, payload: "memoryview | None", timeout_s: float) -> None:
+        """Deliver one frame to every receiver.
+
+        Blocks until ``payload`` may be reused by the caller (copied or published; not
+        necessarily consumed). Raises TimeoutError after ``timeout_s`` s, PeerLostError if a
+        receiver is gone.
+        """
+        ...
+
+    def poll_reply(self, timeout_s: float) -> bytes | None:
+        """The next reply (an encoded ``Ack``/``Error``) from any receiver, or ``None`` if none
+        arrived within ``timeout_s`` s (0: do not wait)."""
+        ...
+
+    def close(self) -> None:
+        """Release every resource (segments, actors, process groups); idempotent."""
+        ...
+
+
+@runtime_checkable
+class TransportReceiver(Protocol):
+    """Receiver side of a transport: frames from every sender of the spec, in each sender's order."""
+
+    def recv(self, timeout_s: float) -> "tuple[bytes, memoryview | None]":
+        """The next frame: ``(header, payload)``; ``payload`` is ``None`` for a control message.
+
+        The payload is valid only until ``release()``: the transport may reuse its memory, so the
+        caller copies what it needs and keeps no view. Raises TimeoutError after ``timeout_s`` s,
+        PeerLostError if the sender is gone.
+        """
+        ...
+
+    def release(self) -> None:
+        """The payload of the last ``recv`` is no longer used; its memory may be reused."""
+        ...
+
+    def reply(self, message: bytes, timeout_s: float) -> None:
+        """Send an encoded ``Ack``/``Error`` to every sender."""
+        ...
+
+    def close(self) -> None:
+        """Release every resource; idempotent."""
+        ...

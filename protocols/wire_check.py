@@ -1,0 +1,167 @@
+"""Field-by-field validation of decoded wire messages (see ``protocols.wire``).
+
+Every check raises ``ProtocolError`` naming the field; nothing else escapes ``check_message``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from protocols.params import DTYPE_BYTES, Box
+from protocols.wire import (
+    ALIGN_BYTES, ENTRY_KINDS, I63_MAX, MAX_NAME_CHARS, MAX_NDIM, MAX_PEERS, MAX_SESSION_CHARS,
+    MAX_TEXT_CHARS, SCHEMA_VERSION, U64_MAX, Abort, Ack, Begin, BucketHeader, Commit, Error, Message,
+    PlanEntry, ProtocolError, SyncPlan, box_nbytes,
+)
+
+
+def _int(v: Any, field: str, lo: int = 0, hi: int = I63_MAX) -> int:
+    if type(v) is not int:
+        raise ProtocolError(field, f"expected int, got {type(v).__name__}")
+    if not lo <= v <= hi:
+        raise ProtocolError(field, f"{v} outside [{lo}, {hi}]")
+    return v
+
+
+def _str(v: Any, field: str, max_chars: int, allow_empty: bool = False) -> str:
+    if type(v) is not str:
+        raise ProtocolError(field, f"expected str, got {type(v).__name__}")
+    if len(v) > max_chars or (not v and not allow_empty):
+        raise ProtocolError(field, f"length {len(v)} outside [{0 if allow_empty else 1}, {max_chars}]")
+    return v
+
+
+def _list(v: Any, field: str, n: int | None = None) -> list:
+    if type(v) is not list:
+        raise ProtocolError(field, f"expected array, got {type(v).__name__}")
+    if n is not None and len(v) != n:
+        raise ProtocolError(field, f"expected {n} items, got {len(v)}")
+    return v
+
+
+def _shape_box(shape_raw: Any, box_raw: Any, field: str) -> tuple[tuple[int, ...], Box]:
+    shape = tuple(_int(d, f"{field}.shape[{i}]") for i, d in enumerate(_list(shape_raw, f"{field}.shape")))
+    if len(shape) > MAX_NDIM:
+        raise ProtocolError(f"{field}.shape", f"{len(shape)} dims > {MAX_NDIM}")
+    box_list = _list(box_raw, f"{field}.box", len(shape))
+    box = []
+    for i, pair in enumerate(box_list):
+        start, stop = _list(pair, f"{field}.box[{i}]", 2)
+        start = _int(start, f"{field}.box[{i}].start", 0, shape[i])
+        stop = _int(stop, f"{field}.box[{i}].stop", start, shape[i])
+        box.append((start, stop))
+    return shape, tuple(box)
+
+
+def check_entry(raw: Any, field: str) -> PlanEntry:
+    kind, name, dtype, shape_raw, box_raw, sender, bucket, offset, nbytes = _list(raw, field, 9)
+    if type(kind) is not str or kind not in ENTRY_KINDS:
+        raise ProtocolError(f"{field}.kind", f"unknown entry kind {kind!r}; known: {sorted(ENTRY_KINDS)}")
+    name = _str(name, f"{field}.name", MAX_NAME_CHARS)
+    if type(dtype) is not str or dtype not in DTYPE_BYTES:
+        raise ProtocolError(f"{field}.dtype", f"unknown dtype {dtype!r}; known: {sorted(DTYPE_BYTES)}")
+    shape, box = _shape_box(shape_raw, box_raw, field)
+    offset = _int(offset, f"{field}.offset")
+    if offset % ALIGN_BYTES:
+        raise ProtocolError(f"{field}.offset", f"{offset} is not a multiple of {ALIGN_BYTES}")
+    nbytes = _int(nbytes, f"{field}.nbytes")
+    if nbytes != box_nbytes(box, dtype):
+        raise ProtocolError(f"{field}.nbytes", f"{nbytes} != box {box} of {dtype} = {box_nbytes(box, dtype)}")
+    return PlanEntry(name=name, dtype=dtype, shape=shape, box=box,
+                     sender=_int(sender, f"{field}.sender", 0, MAX_PEERS - 1),
+                     bucket=_int(bucket, f"{field}.bucket"), offset=offset, nbytes=nbytes, kind=kind)
+
+
+def check_entries(raw: Any, field: str, capacity: int) -> tuple[PlanEntry, ...]:
+    """Entries of one bucket or plan; within a (sender, bucket) they are sorted and disjoint."""
+    entries = tuple(check_entry(e, f"{field}[{i}]") for i, e in enumerate(_list(raw, field)))
+    end: dict[tuple[int, int], int] = {}
+    keys: set[tuple[str, Box]] = set()
+    for i, e in enumerate(entries):
+        if e.offset + e.nbytes > capacity:
+            raise ProtocolError(f"{field}[{i}].nbytes", f"ends at {e.offset + e.nbytes} > bucket capacity {capacity}")
+        if e.offset < end.get((e.sender, e.bucket), 0):
+            raise ProtocolError(f"{field}[{i}].offset", f"{e.offset} overlaps the previous entry of its bucket")
+        end[(e.sender, e.bucket)] = e.offset + e.nbytes
+        if e.key in keys:
+            raise ProtocolError(f"{field}[{i}].name", f"{e.name!r} box {e.box} appears twice")
+        keys.add(e.key)
+    return entries
+
+
+def _common(body: list, tag: str, n: int) -> list:
+    _list(body, tag, n)
+    _str(body[0], f"{tag}.session", MAX_SESSION_CHARS, allow_empty=(tag == "plan"))
+    _int(body[1], f"{tag}.version")
+    return body
+
+
+def _plan(b: list) -> SyncPlan:
+    _common(b, "plan", 4)
+    cap = _int(b[2], "plan.bucket_bytes", 1)
+    return SyncPlan(session=b[0], version=b[1], bucket_bytes=cap, entries=check_entries(b[3], "plan.entries", cap))
+
+
+def _bucket(b: list) -> BucketHeader:
+    _common(b, "header", 8)
+    sender = _int(b[2], "header.sender", 0, MAX_PEERS - 1)
+    payload = _int(b[5], "header.payload_nbytes")
+    entries = check_entries(b[4], "header.entries", payload)
+    for i, e in enumerate(entries):
+        if e.sender != sender:
+            raise ProtocolError(f"header.entries[{i}].sender", f"{e.sender} != header sender {sender}")
+    if b[7] is not None and (type(b[7]) is not bytes or len(b[7]) != 32):
+        raise ProtocolError("header.mac", "expected 32 bytes (HMAC-SHA256) or nil")
+    return BucketHeader(session=b[0], version=b[1], sender=sender, seq=_int(b[3], "header.seq"),
+                        entries=entries, payload_nbytes=payload, checksum=_int(b[6], "header.checksum", 0, U64_MAX),
+                        mac=b[7])
+
+
+def _begin(b: list) -> Begin:
+    _common(b, "begin", 6)
+    names = b[5]
+    if names is not None:
+        names = tuple(_str(n, f"begin.names[{i}]", MAX_NAME_CHARS) for i, n in enumerate(_list(names, "begin.names")))
+    return Begin(session=b[0], version=b[1], sender=_int(b[2], "begin.sender", 0, MAX_PEERS - 1),
+                 plan_digest=_int(b[3], "begin.plan_digest", 0, U64_MAX),
+                 num_buckets=_int(b[4], "begin.num_buckets"), names=names)
+
+
+def _commit(b: list) -> Commit:
+    _common(b, "commit", 5)
+    return Commit(session=b[0], version=b[1], sender=_int(b[2], "commit.sender", 0, MAX_PEERS - 1),
+                  num_buckets=_int(b[3], "commit.num_buckets"), payload_bytes=_int(b[4], "commit.payload_bytes"))
+
+
+def _abort(b: list) -> Abort:
+    _common(b, "abort", 4)
+    return Abort(session=b[0], version=b[1], sender=_int(b[2], "abort.sender", 0, MAX_PEERS - 1),
+                 reason=_str(b[3], "abort.reason", MAX_TEXT_CHARS, allow_empty=True))
+
+
+def _ack(b: list) -> Ack:
+    _common(b, "ack", 5)
+    return Ack(session=b[0], version=b[1], receiver=_int(b[2], "ack.receiver", 0, MAX_PEERS - 1),
+               num_entries=_int(b[3], "ack.num_entries"), payload_bytes=_int(b[4], "ack.payload_bytes"))
+
+
+def _error(b: list) -> Error:
+    _common(b, "error", 5)
+    return Error(session=b[0], version=b[1], receiver=_int(b[2], "error.receiver", 0, MAX_PEERS - 1),
+                 field=_str(b[3], "error.field", MAX_NAME_CHARS, allow_empty=True),
+                 message=_str(b[4], "error.message", MAX_TEXT_CHARS, allow_empty=True))
+
+
+_CHECKS = {"plan": _plan, "bucket": _bucket, "begin": _begin, "commit": _commit, "abort": _abort,
+           "ack": _ack, "error": _error}
+
+
+def check_message(raw: Any) -> Message:
+    if type(raw) is not list or len(raw) < 2:
+        raise ProtocolError("message", "expected an array [schema_version, tag, ...]")
+    if raw[0] != SCHEMA_VERSION or type(raw[0]) is not int:
+        raise ProtocolError("schema_version", f"got {raw[0]!r}, this build speaks {SCHEMA_VERSION}")
+    check = _CHECKS.get(raw[1]) if type(raw[1]) is str else None
+    if check is None:
+        raise ProtocolError("tag", f"unknown message tag {raw[1]!r}; known: {sorted(_CHECKS)}")
+    return check(raw[2:])

@@ -1,0 +1,58 @@
+"""Preallocated, reused bucket buffers (two or more, so filling bucket k+1 overlaps sending k)."""
+
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from sync_service.streaming.views import as_byte_tensor
+
+
+@dataclass(kw_only=True, slots=True)
+class BucketPoolConfig:
+    bucket_bytes: int = 256 << 20
+    """Capacity of one bucket payload, bytes (the plan's ``bucket_bytes``)."""
+    num_buffers: int = 2
+    """Buckets in flight: 2 = double buffering; more absorbs jitter at the cost of memory."""
+
+
+class BucketPool:
+    """``num_buffers`` page-touched uint8 buffers of ``bucket_bytes``, allocated once.
+
+    ``acquire`` hands out a free buffer index (blocking, with a timeout); ``release`` returns it.
+    ``array(i)`` is the numpy view a transport sends, ``tensor(i)`` the torch view the bucketer
+    fills (same memory).
+    """
+
+    def __init__(self, config: BucketPoolConfig | None = None, **kw):
+        self.config = config or BucketPoolConfig(**kw)
+        if self.config.num_buffers < 1 or self.config.bucket_bytes < 1:
+            raise ValueError(f"BucketPool needs num_buffers >= 1 and bucket_bytes >= 1, got {self.config}")
+        self._arrays = [np.ones(self.config.bucket_bytes, dtype=np.uint8) for _ in range(self.config.num_buffers)]
+        self._tensors = [as_byte_tensor(a) for a in self._arrays]
+        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for i in range(self.config.num_buffers):
+            self._free.put(i)
+
+    @property
+    def bucket_bytes(self) -> int:
+        return self.config.bucket_bytes
+
+    def acquire(self, timeout_s: float) -> int:
+        """Index of a free buffer. Raises TimeoutError if none is released within ``timeout_s``."""
+        try:
+            return self._free.get(timeout=max(timeout_s, 0.0))
+        except queue.Empty:
+            raise TimeoutError(f"no free bucket buffer within {timeout_s:.1f}s (sender stalled)") from None
+
+    def release(self, index: int) -> None:
+        self._free.put(index)
+
+    def array(self, index: int) -> np.ndarray:
+        return self._arrays[index]
+
+    def tensor(self, index: int) -> torch.Tensor:
+        return self._tensors[index]

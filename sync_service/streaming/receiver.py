@@ -1,0 +1,238 @@
+"""Receiver pipeline in a rollout engine: verify every bucket against the plan, apply, finish.
+
+    receiver = BucketReceiver(adapter, plan, receiver=index, secret=None)
+    stats = receiver.receive_sync(transport, timeout_s=60)            # begin → buckets → finish → ack
+    adapter.commit(stats.version)       # the coordinator's call once every engine acked (two-phase)
+
+``receive_sync(..., commit=True)`` commits right after the ack instead (single-engine setups).
+Each bucket is checked (mac, session, version, sender, sequence number, entries == the planned
+entries of that bucket, payload size, xxh3_64 checksum) before any entry of it is applied; entries
+are dtype views into the transport's buffer, copied once by ``EngineAdapter.apply``; the buffer is
+released to the transport only after the last copy, and no view outlives it.
+
+On any failure the adapter is aborted (nothing staged survives), an ``Error`` carrying the text
+is replied to every sender, the rest of the sync is drained (so the channel is clean for the next
+sync), and the error is raised.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from protocols.interfaces import EngineAdapter, PeerLostError, TransportReceiver
+from protocols.wire import (
+    Abort, Ack, Begin, BucketHeader, Commit, Error, PlanEntry, ProtocolError, SyncPlan, decode, encode,
+    plan_digest, verify_mac,
+)
+from sync_service.streaming.checksum import checksum
+from sync_service.streaming.plan import buckets_of, senders, subset_plan
+from sync_service.streaming.views import as_byte_tensor, entry_view
+
+
+class SyncAbortedError(RuntimeError):
+    """A sender aborted the sync (its reason is the message); nothing was committed."""
+
+    def __init__(self, sender: int, message: str):
+        super().__init__(message)
+        self.sender = sender
+
+
+@dataclass(slots=True)
+class ApplyStats:
+    """One received sync: sizes and where the time went (seconds)."""
+
+    session: str
+    version: int
+    buckets: int
+    entries: int
+    payload_bytes: int
+    wait_s: float     # blocked in Transport.recv
+    verify_s: float   # checksums + header checks
+    apply_s: float    # EngineAdapter.apply copies
+    finish_s: float   # EngineAdapter.finish_update
+    total_s: float
+
+
+class _SyncState:
+    """Bookkeeping of one sync in progress: which sender is at which bucket."""
+
+    def __init__(self, plan: SyncPlan, begin: Begin):
+        self.session, self.version, self.names = begin.session, begin.version, begin.names
+        self.plan = subset_plan(plan, None if begin.names is None else frozenset(begin.names))
+        self.digest = plan_digest(self.plan)
+        self.expected = {s: buckets_of(self.plan, s) for s in senders(plan)}
+        self.begun: set[int] = set()
+        self.next_seq = {s: 0 for s in self.expected}
+        self.done: set[int] = set()
+
+    def check_begin(self, b: Begin) -> None:
+        if (b.session, b.version) != (self.session, self.version):
+            raise ProtocolError("begin.session", f"sync {b.session}/v{b.version} while {self.session}/v{self.version} runs")
+        if b.sender not in self.expected:
+            raise ProtocolError("begin.sender", f"sender {b.sender} is not in the plan (senders {sorted(self.expected)})")
+        if b.sender in self.begun:
+            raise ProtocolError("begin.sender", f"sender {b.sender} began twice")
+        if b.names != self.names or b.plan_digest != self.digest:
+            raise ProtocolError("begin.plan_digest", "sender and receiver disagree on the plan; rebuild both from one plan")
+        if b.num_buckets != len(self.expected[b.sender]):
+            raise ProtocolError("begin.num_buckets", f"{b.num_buckets} != planned {len(self.expected[b.sender])}")
+        self.begun.add(b.sender)
+
+    def check_bucket(self, h: BucketHeader, payload) -> tuple[PlanEntry, ...]:
+        if (h.session, h.version) != (self.session, self.version):
+            raise ProtocolError("header.session", f"bucket of {h.session}/v{h.version} in sync {self.session}/v{self.version}")
+        if h.sender not in self.begun or h.sender in self.done:
+            raise ProtocolError("header.sender", f"bucket from sender {h.sender} outside its begin..commit")
+        want = self.next_seq[h.sender]
+        if h.seq != want:
+            kind = "duplicate" if h.seq < want else "out-of-order (missing buckets)"
+            raise ProtocolError("header.seq", f"{kind} sequence number {h.seq} from sender {h.sender}, expected {want}")
+        if want >= len(self.expected[h.sender]) or h.entries != self.expected[h.sender][want]:
+            raise ProtocolError("header.entries", f"bucket {want} of sender {h.sender} does not match the plan")
+        size = 0 if payload is None else len(payload)
+        if size != h.payload_nbytes:
+            raise ProtocolError("header.payload_nbytes", f"payload has {size} bytes, header says {h.payload_nbytes} (truncated?)")
+        if checksum(payload) != h.checksum:
+            raise ProtocolError("header.checksum", f"xxh3_64 mismatch on bucket {h.seq} of sender {h.sender}: payload corrupted")
+        self.next_seq[h.sender] = want + 1
+        return h.entries
+
+    def check_commit(self, c: Commit) -> None:
+        if (c.session, c.version) != (self.session, self.version) or c.sender not in self.begun:
+            raise ProtocolError("commit.session", f"commit of {c.session}/v{c.version} sender {c.sender} unexpected")
+        if c.num_buckets != self.next_seq[c.sender]:
+            raise ProtocolError("commit.num_buckets", f"sender {c.sender} committed {c.num_buckets} buckets, {self.next_seq[c.sender]} arrived")
+        self.done.add(c.sender)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.done) == len(self.expected)
+
+
+class BucketReceiver:
+    """Applies syncs of ``plan`` (all senders) to one engine.
+
+    Args:
+        adapter: the engine (``EngineAdapter``).
+        plan: the full plan (``combine_plans`` of every sender's), identical to the senders'.
+        receiver: this receiver's index (named in its Ack/Error).
+        secret: per-session HMAC key; when set, every header must carry a valid mac.
+    """
+
+    def __init__(self, adapter: EngineAdapter, plan: SyncPlan, *, receiver: int = 0, secret: bytes | None = None):
+        self.adapter, self.plan, self.receiver, self.secret = adapter, plan, receiver, secret
+
+    def receive_sync(self, transport: TransportReceiver, *, timeout_s: float = 60.0, commit: bool = False) -> ApplyStats:
+        """Receive one whole sync: begin → apply per bucket → finish → Ack (→ commit if asked).
+
+        Blocks up to ``timeout_s`` in all. Raises ProtocolError (bad/corrupt/out-of-order data),
+        SyncAbortedError (a sender aborted), TimeoutError, PeerLostError, or the adapter's error;
+        in every case the adapter was aborted and the senders were told (where reachable).
+        """
+        t0 = time.perf_counter()
+        end = time.monotonic() + timeout_s
+        st: _SyncState | None = None
+        stats = ApplyStats("", 0, 0, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        try:
+            while st is None or not st.complete:
+                tw = time.perf_counter()
+                header, payload = transport.recv(_left(end, timeout_s))
+                stats.wait_s += time.perf_counter() - tw
+                try:
+                    st = self._on_frame(st, header, payload, stats)
+                finally:
+                    payload = None
+                    transport.release()
+            tf = time.perf_counter()
+            self.adapter.finish_update()
+            stats.finish_s = time.perf_counter() - tf
+            transport.reply(encode(Ack(session=st.session, version=st.version, receiver=self.receiver,
+                                       num_entries=stats.entries, payload_bytes=stats.payload_bytes)), _left(end, timeout_s))
+        except BaseException as exc:
+            self._fail(transport, st, exc, end)
+            raise
+        if commit:
+            self.adapter.commit(st.version)
+        stats.session, stats.version, stats.total_s = st.session, st.version, time.perf_counter() - t0
+        return stats
+
+    def _on_frame(self, st: _SyncState | None, header: bytes, payload, stats: ApplyStats) -> _SyncState:
+        tv = time.perf_counter()
+        msg = decode(header)
+        if isinstance(msg, Begin):
+            if st is None:
+                st = _SyncState(self.plan, msg)
+                st.check_begin(msg)
+                self.adapter.begin_update(msg.version, list(dict.fromkeys(e.name for e in st.plan.entries)))
+            else:
+                st.check_begin(msg)
+            return st
+        if isinstance(msg, Abort):
+            if st is None or (msg.session, msg.version) != (st.session, st.version):
+                return st  # a late abort of an earlier, already failed sync
+            raise SyncAbortedError(msg.sender, f"sender {msg.sender} aborted sync {msg.session}/v{msg.version}: {msg.reason}")
+        if st is None:
+            raise ProtocolError("message", f"{type(msg).__name__} before any begin")
+        if isinstance(msg, Commit):
+            st.check_commit(msg)
+            return st
+        if not isinstance(msg, BucketHeader):
+            raise ProtocolError("message", f"unexpected {type(msg).__name__} on the data channel")
+        verify_mac(msg, self.secret)
+        entries = st.check_bucket(msg, payload)
+        ta = time.perf_counter()
+        stats.verify_s += ta - tv
+        buf = as_byte_tensor(payload)
+        for e in entries:
+            self.adapter.apply(e.name, e.box, entry_view(buf, e))
+        del buf
+        stats.apply_s += time.perf_counter() - ta
+        stats.buckets += 1
+        stats.entries += len(entries)
+        stats.payload_bytes += msg.payload_nbytes
+        return st
+
+    def _fail(self, transport: TransportReceiver, st: _SyncState | None, exc: BaseException, end: float) -> None:
+        try:
+            self.adapter.abort()
+        except Exception:
+            pass  # the original error is what the caller needs
+        if isinstance(exc, (TimeoutError, PeerLostError)):
+            return
+        session, version = (st.session, st.version) if st else ("", 0)
+        field = exc.field if isinstance(exc, ProtocolError) else type(exc).__name__
+        try:
+            transport.reply(encode(Error(session=session, version=version, receiver=self.receiver, field=field[:1000],
+                                         message=str(exc)[:8000])), 5.0)
+            finished = {exc.sender} if isinstance(exc, SyncAbortedError) else set()
+            _drain(transport, self.plan, st, finished, end)
+        except Exception:
+            pass  # channel unusable: the sender times out or sees the peer gone
+
+
+def _left(end: float, timeout_s: float) -> float:
+    left = end - time.monotonic()
+    if left <= 0:
+        raise TimeoutError(f"sync not complete within {timeout_s:.1f}s")
+    return left
+
+
+def _drain(transport: TransportReceiver, plan: SyncPlan, st: _SyncState | None, finished: set[int], end: float,
+           grace_s: float = 10.0) -> None:
+    """Discard frames until every sender of the plan not yet done commits or aborts, so the
+    channel is in step for the next sync (senders abort on seeing our Error)."""
+    pending = set(senders(plan)) - (st.done if st else set()) - finished
+    stop = min(end, time.monotonic() + grace_s)
+    while pending:
+        left = stop - time.monotonic()
+        if left <= 0:
+            return
+        header, _ = transport.recv(left)
+        transport.release()
+        try:
+            msg = decode(header)
+        except ProtocolError:
+            continue
+        if isinstance(msg, (Commit, Abort)):
+            pending.discard(msg.sender)

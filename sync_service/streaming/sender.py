@@ -1,0 +1,223 @@
+"""Sender pipeline on a trainer shard: fill buckets from a WeightSource, seal, stream, await acks.
+
+    plan = build_plan(source.param_metas(), bucket_bytes=..., sender=rank)   # once
+    sender = Sender(transport, BucketPool(bucket_bytes=plan.bucket_bytes), sender=rank)
+    stats = sender.send_sync(session, version, source, plan, names=None, timeout_s=60)
+
+The calling thread fills bucket k+1 (``WeightSource.fill`` writes straight into the bucket view)
+and computes its checksum while a sender thread hands bucket k to the transport. ``send_sync``
+returns once every receiver acked the whole sync (applied + finished, not yet committed).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from protocols.interfaces import TransportSender, WeightSource
+from protocols.wire import (
+    Abort, Ack, Begin, BucketHeader, Commit, Error, PlanEntry, ProtocolError, SyncPlan, decode, encode,
+    plan_digest, seal,
+)
+from sync_service.streaming.checksum import checksum
+from sync_service.streaming.plan import buckets_of, subset_plan
+from sync_service.streaming.pool import BucketPool
+from sync_service.streaming.views import entry_view
+
+
+class RemoteSyncError(RuntimeError):
+    """A receiver failed the sync; carries its error text. The sync was aborted everywhere."""
+
+    def __init__(self, receiver: int, field: str, message: str):
+        super().__init__(f"receiver {receiver} failed the sync ({field or 'error'}): {message}")
+        self.receiver, self.field, self.message = receiver, field, message
+
+
+@dataclass(slots=True)
+class SendStats:
+    """What one ``send_sync`` moved and where its time went (seconds, wall clock)."""
+
+    session: str
+    version: int
+    buckets: int
+    entries: int
+    payload_bytes: int
+    pack_s: float       # filling buckets + checksums (calling thread)
+    transfer_s: float   # inside Transport.send (sender thread; overlaps packing)
+    ack_wait_s: float   # after the last send until every receiver acked
+    total_s: float
+
+
+def pack_bucket(source: WeightSource, entries: Sequence[PlanEntry], buf_u8: torch.Tensor) -> int:
+    """Fill ``entries`` into the flat bucket ``buf_u8``; returns the payload size in bytes."""
+    for e in entries:
+        source.fill(e.name, e.box, entry_view(buf_u8, e))
+    return entries[-1].offset + entries[-1].nbytes if entries else 0
+
+
+class _Deadline:
+    def __init__(self, timeout_s: float):
+        self.timeout_s, self.end = timeout_s, time.monotonic() + timeout_s
+
+    def left(self, what: str) -> float:
+        left = self.end - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{what}: sync timeout of {self.timeout_s:.1f}s exceeded")
+        return left
+
+
+class Sender:
+    """Streams syncs of one sender (trainer shard ``sender``) over one transport.
+
+    Args:
+        transport: a ``TransportSender`` (``sync_service.transports.open_sender``).
+        pool: reused bucket buffers; ``pool.bucket_bytes`` must equal the plan's.
+        sender: this sender's index in the plan.
+        secret: per-session HMAC key; headers carry a mac when set (receivers must hold it too).
+    """
+
+    def __init__(self, transport: TransportSender, pool: BucketPool, *, sender: int = 0, secret: bytes | None = None):
+        self.transport, self.pool, self.sender, self.secret = transport, pool, sender, secret
+
+    def send_sync(self, session: str, version: int, source: WeightSource, plan: SyncPlan, *,
+                  names: frozenset[str] | None = None, timeout_s: float = 60.0) -> SendStats:
+        """Send this sender's part of ``plan`` (``names``: delta subset) for ``version``.
+
+        Blocks until every receiver acked. Raises RemoteSyncError (a receiver's error text),
+        TimeoutError, PeerLostError, or the source's own error; in every case receivers were told
+        to abort (as far as reachable) and the next ``send_sync`` starts clean.
+        """
+        if plan.bucket_bytes != self.pool.bucket_bytes:
+            raise ValueError(f"plan.bucket_bytes={plan.bucket_bytes} != pool bucket_bytes={self.pool.bucket_bytes}")
+        t0 = time.perf_counter()
+        deadline = _Deadline(timeout_s)
+        sub = subset_plan(plan, None if names is None else frozenset(names))
+        buckets = buckets_of(sub, self.sender)
+        begin = Begin(session=session, version=version, sender=self.sender, plan_digest=plan_digest(sub),
+                      num_buckets=len(buckets), names=None if names is None else tuple(sorted(names)))
+        worker = _SendWorker(self.transport, self.pool, session, version, deadline)
+        worker.put(encode(begin), None, 0)
+        pack_s, payload_bytes = 0.0, 0
+        try:
+            for seq, entries in enumerate(buckets):
+                index = worker.acquire()
+                tp = time.perf_counter()
+                buf = self.pool.tensor(index)
+                nbytes = pack_bucket(source, entries, buf)
+                arr = self.pool.array(index)[:nbytes]
+                header = seal(BucketHeader(session=session, version=version, sender=self.sender, seq=seq,
+                                           entries=entries, payload_nbytes=nbytes, checksum=checksum(arr)),
+                              self.secret)
+                pack_s += time.perf_counter() - tp
+                payload_bytes += nbytes
+                worker.put(encode(header), index, nbytes)
+            worker.put(encode(Commit(session=session, version=version, sender=self.sender,
+                                     num_buckets=len(buckets), payload_bytes=payload_bytes)), None, 0)
+            worker.finish()
+            ta = time.perf_counter()
+            self._await_acks(worker, deadline)
+        except BaseException as exc:
+            worker.stop()
+            self._abort(session, version, exc)
+            raise
+        return SendStats(session=session, version=version, buckets=len(buckets),
+                         entries=sum(len(b) for b in buckets), payload_bytes=payload_bytes, pack_s=pack_s,
+                         transfer_s=worker.transfer_s, ack_wait_s=time.perf_counter() - ta,
+                         total_s=time.perf_counter() - t0)
+
+    def _await_acks(self, worker: "_SendWorker", deadline: _Deadline) -> None:
+        while len(worker.acked) < self.transport.num_receivers:
+            worker.take_reply(self.transport.poll_reply(min(deadline.left(
+                f"waiting for acks ({len(worker.acked)}/{self.transport.num_receivers})"), 0.5)))
+
+    def _abort(self, session: str, version: int, exc: BaseException) -> None:
+        if isinstance(exc, (TimeoutError, ConnectionError)) or type(exc).__name__ == "PeerLostError":
+            return  # the channel is not usable; receivers time out or see the peer gone
+        try:
+            self.transport.send(encode(Abort(session=session, version=version, sender=self.sender,
+                                             reason=f"{type(exc).__name__}: {exc}"[:4000])), None, 5.0)
+        except Exception:
+            pass  # best effort: the original error is what the caller needs
+
+
+class _SendWorker:
+    """The sender thread: hands queued frames to the transport, releases buffers, reads replies."""
+
+    def __init__(self, transport: TransportSender, pool: BucketPool, session: str, version: int, deadline: _Deadline):
+        self.transport, self.pool, self.deadline = transport, pool, deadline
+        self.session, self.version = session, version
+        self.acked: set[int] = set()
+        self.failure: BaseException | None = None
+        self.transfer_s = 0.0
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="weightsync-sender", daemon=True)
+        self._thread.start()
+
+    def put(self, header: bytes, index: int | None, nbytes: int) -> None:
+        self._raise_failure()
+        self._q.put((header, index, nbytes))
+
+    def acquire(self) -> int:
+        while True:
+            self._raise_failure()
+            try:
+                return self.pool.acquire(min(0.05, self.deadline.left("waiting for a free bucket")))
+            except TimeoutError:
+                continue
+
+    def finish(self) -> None:
+        self._q.put(None)
+        while self._thread.is_alive():
+            self._thread.join(min(0.1, self.deadline.left("sending")))
+        self._raise_failure()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._q.put(None)
+        self._thread.join(10.0)
+
+    def take_reply(self, raw: bytes | None) -> None:
+        if raw is None:
+            return
+        msg = decode(raw)
+        if not isinstance(msg, (Ack, Error)):
+            raise ProtocolError("reply", f"expected an ack or error, got {type(msg).__name__}")
+        if (msg.session, msg.version) != (self.session, self.version):
+            return  # a late reply to an earlier sync
+        if isinstance(msg, Error):
+            raise RemoteSyncError(msg.receiver, msg.field, msg.message)
+        self.acked.add(msg.receiver)
+
+    def _raise_failure(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None or self._stop.is_set():
+                if item is not None and item[1] is not None:
+                    self.pool.release(item[1])
+                if item is None:
+                    return
+                continue
+            header, index, nbytes = item
+            try:
+                if self.failure is None:
+                    t = time.perf_counter()
+                    payload = None if index is None else self.pool.array(index)[:nbytes]
+                    self.transport.send(header, payload, self.deadline.left("sending a bucket"))
+                    self.transfer_s += time.perf_counter() - t
+                    self.take_reply(self.transport.poll_reply(0.0))
+            except BaseException as exc:
+                self.failure = exc
+            finally:
+                if index is not None:
+                    self.pool.release(index)
+

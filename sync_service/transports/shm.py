@@ -1,0 +1,262 @@
+"""Same-host shared-memory ring: one mapped /dev/shm file per sender, reused for every frame.
+
+Layout of segment ``/dev/shm/<name>-s<sender>`` (all counters little-endian u64):
+
+    [0, 4096)                 global: magic, slots, slot_payload, header_cap, receivers, write_seq,
+                              sender_pid, closed
+    [4096 + r·REPLY, ...)     receiver r: read_seq, pid, reply_seq, reply_ack, reply_len, then the
+                              reply bytes (one reply in flight per receiver)
+    slots                     slot k: header_len, payload_len, header bytes, payload bytes
+
+The sender writes frame ``n`` into slot ``n % slots`` once every receiver's ``read_seq`` passed
+``n - slots``, then bumps ``write_seq``; a receiver reads it in place (zero copy), and bumps its
+``read_seq`` on ``release``. Stores are ordered by x86-64's TSO (counters are written after data).
+The file is unlinked as soon as every receiver has mapped it (and on close), so no segment outlives
+its processes. Peers' pids are checked while waiting: a dead peer fails within ~0.2 s.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+
+import numpy as np
+
+from protocols.interfaces import PeerLostError, TransportError
+from sync_service.transports.spec import TransportSpec
+
+MAGIC = 0x5753484D52494E47  # "WSHMRING"
+PAGE = 4096
+REPLY = 64 << 10
+_G_MAGIC, _G_SLOTS, _G_PAYLOAD, _G_HCAP, _G_RECV, _G_WSEQ, _G_PID, _G_CLOSED = range(8)
+_R_READ, _R_PID, _R_RSEQ, _R_RACK, _R_RLEN = range(5)
+_LIVENESS_S = 0.2
+
+
+def _path(spec: TransportSpec, sender: int) -> str:
+    return f"/dev/shm/{spec.name}-s{sender}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class _Segment:
+    """Numpy views of one mapped segment."""
+
+    def __init__(self, mm: mmap.mmap, spec: TransportSpec):
+        self.mm = mm
+        self.buf = np.frombuffer(mm, dtype=np.uint8)
+        self.g = self.buf[:64].view(np.uint64)
+        self.recv = [self.buf[PAGE + r * REPLY:PAGE + (r + 1) * REPLY] for r in range(spec.num_receivers)]
+        self.rc = [b[:64].view(np.uint64) for b in self.recv]
+        self.hcap, self.payload = spec.max_header_bytes, spec.bucket_bytes
+        self.base = PAGE + spec.num_receivers * REPLY
+        self.stride = -(-(64 + self.hcap + self.payload) // PAGE) * PAGE
+        self.slots = spec.slots
+
+    @staticmethod
+    def size(spec: TransportSpec) -> int:
+        stride = -(-(64 + spec.max_header_bytes + spec.bucket_bytes) // PAGE) * PAGE
+        return PAGE + spec.num_receivers * REPLY + spec.slots * stride
+
+    def slot(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        start = self.base + (n % self.slots) * self.stride
+        lens = self.buf[start:start + 16].view(np.uint64)
+        return lens, self.buf[start + 64:start + 64 + self.hcap], self.buf[start + 64 + self.hcap:start + 64 + self.hcap + self.payload]
+
+    def close(self) -> None:
+        self.g = self.rc = self.recv = self.buf = None
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # a caller still holds a view; the mapping goes when it is collected
+
+
+def _sleep(spins: int) -> None:
+    time.sleep(0 if spins < 50 else 0.0002 if spins < 2000 else 0.001)
+
+
+class ShmSender:
+    """Sender side: creates the segment ``/dev/shm/<name>-s<sender>``."""
+
+    def __init__(self, spec: TransportSpec, sender: int = 0):
+        self.spec, self.sender, self.path = spec, sender, _path(spec, sender)
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, _Segment.size(spec))
+            mm = mmap.mmap(fd, _Segment.size(spec))
+        finally:
+            os.close(fd)
+        self.seg = _Segment(mm, spec)
+        self.seg.buf[:] = 0  # touch every page once, here
+        g = self.seg.g
+        g[_G_SLOTS], g[_G_PAYLOAD], g[_G_HCAP], g[_G_RECV] = spec.slots, spec.bucket_bytes, spec.max_header_bytes, spec.num_receivers
+        g[_G_PID] = os.getpid()
+        g[_G_MAGIC] = MAGIC
+        self._unlinked = False
+        self._reply_from = 0
+
+    @property
+    def num_receivers(self) -> int:
+        return self.spec.num_receivers
+
+    def send(self, header: bytes, payload, timeout_s: float) -> None:
+        if len(header) > self.seg.hcap or (payload is not None and len(payload) > self.seg.payload):
+            raise ValueError(f"frame too large for the ring: header {len(header)} > {self.seg.hcap} or payload > {self.seg.payload}")
+        n = int(self.seg.g[_G_WSEQ])
+        self._wait(lambda: all(int(rc[_R_READ]) + self.seg.slots > n for rc in self.seg.rc), timeout_s, "a free ring slot")
+        lens, hbuf, pbuf = self.seg.slot(n)
+        hbuf[:len(header)] = np.frombuffer(header, dtype=np.uint8)
+        size = 0 if payload is None else len(payload)
+        if size:
+            np.copyto(pbuf[:size], np.frombuffer(payload, dtype=np.uint8) if not isinstance(payload, np.ndarray) else payload)
+        lens[0], lens[1] = len(header), size
+        self.seg.g[_G_WSEQ] = n + 1
+        self._maybe_unlink()
+
+    def poll_reply(self, timeout_s: float) -> bytes | None:
+        end, spins = time.monotonic() + timeout_s, 0
+        while True:
+            for k in range(self.spec.num_receivers):
+                r = (self._reply_from + k) % self.spec.num_receivers
+                rc = self.seg.rc[r]
+                if int(rc[_R_RSEQ]) > int(rc[_R_RACK]):
+                    msg = bytes(self.seg.recv[r][64:64 + int(rc[_R_RLEN])])
+                    rc[_R_RACK] = rc[_R_RSEQ]
+                    self._reply_from = r + 1
+                    return msg
+            if time.monotonic() >= end:
+                return None
+            spins += 1
+            _sleep(spins)
+
+    def _wait(self, ready, timeout_s: float, what: str) -> None:
+        end, spins, check = time.monotonic() + timeout_s, 0, time.monotonic() + _LIVENESS_S
+        while not ready():
+            now = time.monotonic()
+            if now >= end:
+                raise TimeoutError(f"shm {self.path}: no {what} within {timeout_s:.1f}s (a receiver stalled)")
+            if now >= check:
+                check = now + _LIVENESS_S
+                for r, rc in enumerate(self.seg.rc):
+                    if int(rc[_R_PID]) and not _alive(int(rc[_R_PID])):
+                        raise PeerLostError(f"shm {self.path}: receiver {r} (pid {int(rc[_R_PID])}) died")
+            spins += 1
+            _sleep(spins)
+
+    def _maybe_unlink(self) -> None:
+        if not self._unlinked and all(int(rc[_R_PID]) for rc in self.seg.rc):
+            self._unlink()
+
+    def _unlink(self) -> None:
+        self._unlinked = True
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        if self.seg is None:
+            return
+        self.seg.g[_G_CLOSED] = 1
+        self._unlink()
+        self.seg.close()
+        self.seg = None
+
+
+class ShmReceiver:
+    """Receiver side: maps every sender's segment (waiting up to ``spec.connect_timeout_s``)."""
+
+    def __init__(self, spec: TransportSpec, receiver: int = 0):
+        self.spec, self.receiver = spec, receiver
+        if not 0 <= receiver < spec.num_receivers:
+            raise ValueError(f"receiver={receiver} outside [0, {spec.num_receivers})")
+        self.segs = [self._attach(s) for s in range(spec.num_senders)]
+        self._current: int | None = None
+        self._next = 0
+
+    def _attach(self, sender: int) -> _Segment:
+        path, end = _path(self.spec, sender), time.monotonic() + self.spec.connect_timeout_s
+        while True:
+            try:
+                fd = os.open(path, os.O_RDWR)
+                break
+            except FileNotFoundError:
+                if time.monotonic() >= end:
+                    raise TimeoutError(f"shm segment {path} did not appear within {self.spec.connect_timeout_s}s") from None
+                time.sleep(0.01)
+        try:
+            size = os.fstat(fd).st_size
+            if size != _Segment.size(self.spec):
+                raise TransportError(f"shm segment {path} has {size} bytes, the spec needs {_Segment.size(self.spec)}: spec mismatch")
+            seg = _Segment(mmap.mmap(fd, size), self.spec)
+        finally:
+            os.close(fd)
+        while int(seg.g[_G_MAGIC]) != MAGIC:
+            if time.monotonic() >= end:
+                raise TimeoutError(f"shm segment {path} not initialised within {self.spec.connect_timeout_s}s")
+            time.sleep(0.001)
+        seg.rc[self.receiver][_R_PID] = os.getpid()
+        return seg
+
+    def recv(self, timeout_s: float):
+        if self._current is not None:
+            self.release()
+        end, spins, check = time.monotonic() + timeout_s, 0, time.monotonic() + _LIVENESS_S
+        while True:
+            for k in range(len(self.segs)):
+                s = (self._next + k) % len(self.segs)
+                seg = self.segs[s]
+                n = int(seg.rc[self.receiver][_R_READ])
+                if int(seg.g[_G_WSEQ]) > n:
+                    lens, hbuf, pbuf = seg.slot(n)
+                    self._current, self._next = s, s + 1
+                    hlen, plen = int(lens[0]), int(lens[1])
+                    return bytes(hbuf[:hlen]), (pbuf[:plen] if plen else None)
+            now = time.monotonic()
+            if now >= end:
+                raise TimeoutError(f"shm {self.spec.name}: no frame within {timeout_s:.1f}s")
+            if now >= check:
+                check = now + _LIVENESS_S
+                self._check_senders()
+            spins += 1
+            _sleep(spins)
+
+    def _check_senders(self) -> None:
+        for s, seg in enumerate(self.segs):
+            if int(seg.g[_G_CLOSED]) or not _alive(int(seg.g[_G_PID])):
+                raise PeerLostError(f"shm {self.spec.name}: sender {s} (pid {int(seg.g[_G_PID])}) closed or died")
+
+    def release(self) -> None:
+        if self._current is not None:
+            self.segs[self._current].rc[self.receiver][_R_READ] += 1
+            self._current = None
+
+    def reply(self, message: bytes, timeout_s: float) -> None:
+        if len(message) > REPLY - 64:
+            raise ValueError(f"reply of {len(message)} bytes > {REPLY - 64}")
+        # One reply in flight per sender: wait briefly for the previous one to be read, then
+        # overwrite it (a sender that stopped reading has given up that sync anyway).
+        end = time.monotonic() + min(timeout_s, 1.0)
+        for s, seg in enumerate(self.segs):
+            rc, spins = seg.rc[self.receiver], 0
+            while int(rc[_R_RSEQ]) > int(rc[_R_RACK]) and time.monotonic() < end:
+                spins += 1
+                _sleep(spins)
+            self.segs[s].recv[self.receiver][64:64 + len(message)] = np.frombuffer(message, dtype=np.uint8)
+            rc[_R_RLEN] = len(message)
+            rc[_R_RSEQ] += 1
+
+    def close(self) -> None:
+        self._current = None
+        for seg in self.segs:
+            seg.close()
+        self.segs = []

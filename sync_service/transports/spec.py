@@ -1,0 +1,65 @@
+"""``TransportSpec``: everything a process needs to open its side of a transport (msgpack-able).
+
+A coordinator makes one spec per channel and ships ``spec.to_bytes()`` to the trainer shards
+(``open_sender(spec, sender=rank)``) and to every rollout engine (``open_receiver(spec, receiver=i)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import msgpack
+
+KINDS = ("shm", "ray", "torch_dist")
+
+
+@dataclass(kw_only=True, slots=True)
+class TransportSpec:
+    kind: str
+    """Transport: ``"shm"`` (same host), ``"ray"`` (object store), ``"torch_dist"`` (gloo/NCCL broadcast)."""
+    name: str
+    """Unique channel name: shm segment prefix, Ray actor name prefix, TCPStore key prefix."""
+    num_senders: int = 1
+    """Senders (trainer shards) feeding every receiver; ``torch_dist`` supports 1."""
+    num_receivers: int = 1
+    """Receivers (rollout engines); every frame goes to all of them."""
+    bucket_bytes: int = 256 << 20
+    """Largest payload, bytes (the plan's bucket size)."""
+    max_header_bytes: int = 1 << 20
+    """Largest encoded header, bytes."""
+    slots: int = 2
+    """Frames in flight per sender (shm ring slots, Ray mailbox depth)."""
+    connect_timeout_s: float = 60.0
+    """How long opening a side waits for its peers (segment, mailbox, rendezvous)."""
+    address: str = "127.0.0.1"
+    """``torch_dist``: TCPStore host (the sender hosts it)."""
+    port: int = 29600
+    """``torch_dist``: TCPStore port."""
+    backend: str = "gloo"
+    """``torch_dist``: ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors)."""
+    op_timeout_s: float = 60.0
+    """``torch_dist``: timeout of one collective, seconds (a dead peer fails within it)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"TransportSpec.kind={self.kind!r}; use one of {KINDS}")
+        if not self.name or "/" in self.name or len(self.name) > 64:
+            raise ValueError(f"TransportSpec.name={self.name!r}: 1-64 chars, no '/'")
+        for f in ("num_senders", "num_receivers", "bucket_bytes", "max_header_bytes", "slots"):
+            if type(getattr(self, f)) is not int or getattr(self, f) < 1:
+                raise ValueError(f"TransportSpec.{f}={getattr(self, f)!r} must be an int >= 1")
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"TransportSpec.backend={self.backend!r}; use 'gloo' or 'nccl'")
+
+    def to_bytes(self) -> bytes:
+        return msgpack.packb({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "TransportSpec":
+        """Raises ValueError on unknown fields or bad values."""
+        raw = msgpack.unpackb(data, raw=False)
+        known = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(raw, dict) or set(raw) - known:
+            raise ValueError(f"TransportSpec: unknown fields {sorted(set(raw) - known) if isinstance(raw, dict) else raw!r}")
+        return cls(**raw)
