@@ -65,7 +65,12 @@ def _group(state_dict) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, to
 def _check_pair(module: str, parts: dict[str, torch.Tensor], a: str, b: str) -> tuple[torch.Tensor, torch.Tensor]:
     if a not in parts or b not in parts:
         raise MergeError(f"adapter module {module}: needs both {a} and {b}, has {sorted(parts)}")
-    return parts[a].float(), parts[b].float()
+    return _acc(parts[a]), _acc(parts[b])
+
+
+def _acc(t: torch.Tensor) -> torch.Tensor:
+    """Factors in the accumulation dtype: fp32, or float64 when given in float64."""
+    return t if t.dtype == torch.float64 else t.float()
 
 
 def normalise(config, state_dict, layout: FamilyLayout, base_metas, tied: dict[str, str]) -> LoraAdapter:
@@ -130,7 +135,7 @@ class _Ctx:
             )
         self.add(target, LoraTerm(None, (0, meta.shape[0], 1), (0, meta.shape[1], 1), x, y, s))
         if "lora_magnitude_vector" in parts:
-            m = parts["lora_magnitude_vector"].float().reshape(-1)
+            m = _acc(parts["lora_magnitude_vector"]).reshape(-1)
             if self.config.fan_in_fan_out or m.numel() != meta.shape[0]:
                 raise MergeError(f"adapter module {module}: DoRA magnitude {list(m.shape)} does not fit {target} {list(meta.shape)}")
             self.out.dora_magnitudes[target] = m

@@ -115,11 +115,8 @@ class MergedSource:
             self._fill_dora(name, box, out)
         elif name in adapter.terms:
             terms = adapter.terms[name]
-            for sub in chunks(box, self.config.staging_bytes):
-                base = self.base.read(name, sub)
-                scratch = self._scratch.view(box_shape(sub), base.device)
-                scratch.copy_(base)
-                apply_terms(scratch, sub, terms)
+            for sub in self._chunks(name, box):
+                scratch = self._merged(name, sub, terms)
                 self._check(name, scratch)
                 out[_rel(sub, box)].copy_(scratch)
         else:
@@ -133,20 +130,25 @@ class MergedSource:
         terms, magnitude = self.adapter.terms.get(name, []), self.adapter.dora_magnitudes[name]
         (r0, r1), cols = box
         width = self._base_metas[name].shape[1]
-        sq = torch.zeros(r1 - r0, dtype=torch.float32)
-        for sub in chunks(((r0, r1), (0, width)), self.config.staging_bytes):
+        sq = torch.zeros(r1 - r0, dtype=torch.float64)
+        for sub in self._chunks(name, ((r0, r1), (0, width))):
             scratch = self._merged(name, sub, terms)
             sq[sub[0][0] - r0: sub[0][1] - r0] += scratch.square().sum(dim=1).cpu()
         factor = magnitude[r0:r1].cpu() / sq.sqrt()
-        for sub in chunks(box, self.config.staging_bytes):
+        for sub in self._chunks(name, box):
             scratch = self._merged(name, sub, terms)
-            scratch.mul_(factor[sub[0][0] - r0: sub[0][1] - r0].to(scratch.device).unsqueeze(1))
+            scratch.mul_(factor[sub[0][0] - r0: sub[0][1] - r0].to(scratch.device, scratch.dtype).unsqueeze(1))
             self._check(name, scratch)
             out[_rel(sub, box)].copy_(scratch)
 
+    def _chunks(self, name: str, box: Box):
+        itemsize = 8 if self._base_metas[name].dtype == "float64" else 4
+        return chunks(box, self.config.staging_bytes, itemsize)
+
     def _merged(self, name: str, sub: Box, terms) -> torch.Tensor:
+        """Base values of ``sub`` + every term, in the reused scratch (valid until the next call)."""
         base = self.base.read(name, sub)
-        scratch = self._scratch.view(box_shape(sub), base.device)
+        scratch = self._scratch.view(box_shape(sub), base.device, base.dtype)
         scratch.copy_(base)
         apply_terms(scratch, sub, terms)
         return scratch

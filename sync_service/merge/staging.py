@@ -21,26 +21,29 @@ _FP32_BYTES = 4
 
 
 class Scratch:
-    """One reusable fp32 buffer of at most ``budget_bytes``; records the peak bytes handed out."""
+    """One reusable accumulation buffer of at most ``budget_bytes``; records the peak bytes handed out.
+
+    fp32 (float64 for a float64 base, so an exact base is not rounded through fp32)."""
 
     def __init__(self, budget_bytes: int):
         self.budget_bytes = budget_bytes
         self.peak_bytes = 0
         self._buf: torch.Tensor | None = None
 
-    def view(self, shape: Sequence[int], device: torch.device) -> torch.Tensor:
-        numel = math.prod(shape)
-        assert numel * _FP32_BYTES <= self.budget_bytes, "chunking must respect the staging budget"
-        if self._buf is None or self._buf.numel() < numel or self._buf.device != device:
-            self._buf = torch.empty(numel, dtype=torch.float32, device=device)
-        self.peak_bytes = max(self.peak_bytes, numel * _FP32_BYTES)
-        return self._buf[:numel].view(tuple(shape))
+    def view(self, shape: Sequence[int], device: torch.device, base_dtype: torch.dtype) -> torch.Tensor:
+        dtype = torch.float64 if base_dtype == torch.float64 else torch.float32
+        nbytes = math.prod(shape) * dtype.itemsize
+        assert nbytes <= self.budget_bytes, "chunking must respect the staging budget"
+        if self._buf is None or self._buf.numel() < nbytes or self._buf.device != device:
+            self._buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.peak_bytes = max(self.peak_bytes, nbytes)
+        return self._buf[:nbytes].view(dtype).view(tuple(shape))
 
 
-def chunks(box: Box, budget_bytes: int) -> Iterator[Box]:
-    """Cut ``box`` into row-major sub-boxes of at most ``budget_bytes`` of fp32 each."""
+def chunks(box: Box, budget_bytes: int, itemsize: int = _FP32_BYTES) -> Iterator[Box]:
+    """Cut ``box`` into row-major sub-boxes of at most ``budget_bytes`` of ``itemsize``-byte elements."""
     shape = box_shape(box)
-    budget = max(1, budget_bytes // _FP32_BYTES)
+    budget = max(1, budget_bytes // itemsize)
     if math.prod(shape) <= budget:
         yield box
         return
@@ -79,11 +82,15 @@ def apply_terms(scratch: torch.Tensor, box: Box, terms: Sequence[LoraTerm]) -> N
         (xr, lr), (yc, lc) = rows, cols
         if term.experts is None:
             view = scratch[lr, lc]
-            view.addmm_(term.x[xr].to(view.device), term.y[:, yc].to(view.device), alpha=term.scaling)
+            view.addmm_(_as(term.x[xr], view), _as(term.y[:, yc], view), alpha=term.scaling)
             continue
         e0, e1 = max(term.experts[0], box[0][0]), min(term.experts[1], box[0][1])
         if e0 >= e1:
             continue
         te = slice(e0 - term.experts[0], e1 - term.experts[0])
         view = scratch[e0 - box[0][0]: e1 - box[0][0], lr, lc]
-        view.baddbmm_(term.x[te, xr].to(view.device), term.y[te, :, yc].to(view.device), alpha=term.scaling)
+        view.baddbmm_(_as(term.x[te, xr], view), _as(term.y[te, :, yc], view), alpha=term.scaling)
+
+
+def _as(factor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return factor.to(device=like.device, dtype=like.dtype)

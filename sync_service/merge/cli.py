@@ -1,0 +1,47 @@
+"""``weightsync merge``: merge a PEFT LoRA adapter into a base checkpoint, streamed to safetensors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from sync_service.merge.errors import MergeError
+from sync_service.merge.targets import TARGETS
+
+
+def parse_size(text: str) -> int:
+    """``"2GB"``, ``"500MB"``, ``"1GiB"``, ``"1000"`` → bytes (transformers' own size parser)."""
+    from transformers.utils.hub import convert_file_size_to_int
+
+    try:
+        return int(convert_file_size_to_int(text.strip()))
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(f"size {text!r} not understood; use e.g. 2GB, 500MB, 1GiB") from exc
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base", required=True, help="base checkpoint directory (config.json + *.safetensors)")
+    parser.add_argument("--adapter", required=True, help="PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors)")
+    parser.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    parser.add_argument("--target", default="hf", choices=sorted(TARGETS), help="output naming (default: hf, as save_pretrained)")
+    parser.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"], help="output dtype (default: the base's)")
+    parser.add_argument("--max-shard-size", default="5GB", type=parse_size, help="largest shard, e.g. 2GB, 500MB (default 5GB)")
+    parser.add_argument("--staging-size", default="64MiB", type=parse_size, help="fp32 merge scratch budget (default 64MiB)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
+
+
+def run(args: argparse.Namespace) -> int:
+    from sync_service.merge.export import merge_checkpoint
+
+    try:
+        summary = merge_checkpoint(
+            args.base, args.adapter, args.out, target=args.target, dtype=args.dtype,
+            max_shard_bytes=args.max_shard_size, staging_bytes=args.staging_size,
+            progress=False if args.no_progress else None,
+        )
+    except MergeError as exc:
+        print(f"weightsync merge: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary))
+    return 0

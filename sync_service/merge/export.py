@@ -1,0 +1,152 @@
+"""Stream a merged checkpoint to safetensors shards, as ``save_pretrained`` lays them out.
+
+Validates everything (config, family, base keys, adapter keys and shapes, target, dtype) before
+the output exists; writes into a temporary sibling directory and renames it at the end, so a
+failure leaves nothing at ``out_dir``. Peak memory: one shard (plus one tensor), not the model.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from protocols.params import DTYPE_BYTES
+from sync_service.merge.adapter import load_adapter
+from sync_service.merge.base import SafetensorsBase
+from sync_service.merge.errors import MergeError
+from sync_service.merge.source import MergeConfig, MergedSource
+from sync_service.merge.targets import TARGETS, target_pieces
+
+# Non-weight files of a model directory copied to the output when present.
+_COPIED = (
+    "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
+    "chat_template.json", "preprocessor_config.json", "processor_config.json",
+)
+_FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
+def _plan_shards(source: MergedSource, target: str, max_shard_bytes: int) -> list[list[str]]:
+    """Target tensor names grouped into shards, in layer order (greedy, like ``save_pretrained``)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for meta in source.param_metas():
+        nbytes_el = DTYPE_BYTES[str(source.out_dtype(meta.name)).removeprefix("torch.")]
+        for piece in target_pieces(target, meta.name, meta.shape, source.layout):
+            nbytes = nbytes_el
+            for n in piece.shape:
+                nbytes *= n
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append(piece.name)
+            size += nbytes
+    return shards
+
+
+def _write_config(base_dir: Path, out: Path, dtype: str | None) -> None:
+    config = json.loads((base_dir / "config.json").read_text())
+    if dtype is not None:
+        for key in ("dtype", "torch_dtype"):
+            if key in config or key == "dtype":
+                config[key] = dtype
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    for name in _COPIED:
+        if (base_dir / name).is_file():
+            shutil.copy2(base_dir / name, out / name)
+
+
+def _progress(total: int, enabled: bool | None):
+    from tqdm import tqdm
+
+    if enabled is None:
+        enabled = sys.stderr.isatty()
+    return tqdm(total=total, unit="tensor", desc="merge", disable=not enabled)
+
+
+def merge_checkpoint(
+    base_dir: str | Path,
+    adapter_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    target: str = "hf",
+    dtype: str | None = None,
+    max_shard_bytes: int = 5 * 10**9,
+    progress: bool | None = None,
+    staging_bytes: int = 64 << 20,
+) -> dict:
+    """Merge a PEFT LoRA adapter into a safetensors checkpoint and write the result.
+
+    Output: ``model.safetensors`` or ``model-0000k-of-0000n.safetensors`` + ``model.safetensors.index.json``,
+    ``config.json`` (``dtype`` updated when ``dtype`` is given) and the tokenizer/generation files found.
+
+    Args:
+        dtype: output dtype name (``"bfloat16"``, ``"float16"``, ``"float32"``); ``None`` keeps the base's.
+        max_shard_bytes: largest shard, bytes (a single larger tensor gets a shard of its own).
+        progress: tqdm bar; ``None`` shows it when stderr is a terminal.
+
+    Returns:
+        ``{"tensors": n, "bytes": total, "shards": k, "seconds": t, "changed": c}``.
+
+    Raises:
+        MergeError: any bad input (nothing is written), or ``out_dir`` exists and is not empty.
+    """
+    t0 = time.perf_counter()
+    base_dir, adapter_dir, out_dir = Path(base_dir), Path(adapter_dir), Path(out_dir)
+    if target not in TARGETS:
+        raise MergeError(f"unknown --target {target!r}; known: {', '.join(sorted(TARGETS))}")
+    if dtype is not None and dtype not in _FLOAT_DTYPES:
+        raise MergeError(f"--dtype {dtype!r} not supported; use one of {', '.join(_FLOAT_DTYPES)}")
+    if max_shard_bytes <= 0:
+        raise MergeError(f"--max-shard-size must be positive, got {max_shard_bytes} bytes")
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise MergeError(f"--out {out_dir} exists and is not an empty directory; remove it or choose another path")
+    base = SafetensorsBase(base_dir)
+    adapter = load_adapter(adapter_dir, base.layout, base.metas(), tied_aliases=base.tied_aliases)
+    source = MergedSource(base, adapter, config=MergeConfig(out_dtype=dtype, staging_bytes=staging_bytes))
+    shards = _plan_shards(source, target, max_shard_bytes)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        total = _write_shards(source, target, shards, tmp, progress)
+        _write_config(base_dir, tmp, dtype)
+        if out_dir.exists():
+            out_dir.rmdir()
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    n = sum(len(s) for s in shards)
+    return {"tensors": n, "bytes": total, "shards": len(shards), "seconds": time.perf_counter() - t0,
+            "changed": len(source.changed_names())}
+
+
+def _write_shards(source: MergedSource, target: str, shards: list[list[str]], out: Path, progress) -> int:
+    tensors: Iterator = source.iter_tensors(target)
+    weight_map: dict[str, str] = {}
+    total = 0
+    with _progress(sum(len(s) for s in shards), progress) as bar:
+        for k, names in enumerate(shards):
+            file = "model.safetensors" if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+            shard = {}
+            for expected in names:
+                name, tensor = next(tensors)
+                assert name == expected, (name, expected)
+                shard[name] = tensor
+                weight_map[name] = file
+                total += tensor.numel() * tensor.element_size()
+                bar.update(1)
+            save_file(shard, str(out / file), metadata={"format": "pt"})
+            del shard
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return total
