@@ -204,7 +204,8 @@ class _Ctx:
         self.add(meta.name, term)
 
     def replacement(self, name: str, t: torch.Tensor) -> None:
-        target = self.resolve(name)
+        # PEFT saves targeted embedding layers as <module>.base_layer.weight and loads them as the base
+        target = self.resolve(name.replace(".base_layer.", "."))
         if target is None:
             raise MergeError(
                 f"adapter key {name} matches no base tensor; a modules_to_save copy must name a base "

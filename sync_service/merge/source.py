@@ -109,9 +109,7 @@ class MergedSource:
         if tuple(out.shape) != box_shape(box) or out.dtype != self.out_dtype(name):
             raise MergeError(f"out for {name} {box}: got {out.dtype}{list(out.shape)}, want {self.out_dtype(name)}{list(box_shape(box))}")
         adapter = self.adapter
-        if name in adapter.replacements:
-            out.copy_(adapter.replacements[name][tuple(slice(a, b) for a, b in box)])
-        elif name in adapter.dora_magnitudes:
+        if name in adapter.dora_magnitudes:
             self._fill_dora(name, box, out)
         elif name in adapter.terms:
             terms = adapter.terms[name]
@@ -120,7 +118,7 @@ class MergedSource:
                 self._check(name, scratch)
                 out[_rel(sub, box)].copy_(scratch)
         else:
-            out.copy_(self.base.read(name, box))
+            out.copy_(self._read_base(name, box))
             if self.config.check_finite and out.is_floating_point():
                 self._check(name, out)
         return None
@@ -147,11 +145,18 @@ class MergedSource:
 
     def _merged(self, name: str, sub: Box, terms) -> torch.Tensor:
         """Base values of ``sub`` + every term, in the reused scratch (valid until the next call)."""
-        base = self.base.read(name, sub)
+        base = self._read_base(name, sub)
         scratch = self._scratch.view(box_shape(sub), base.device, base.dtype)
         scratch.copy_(base)
         apply_terms(scratch, sub, terms)
         return scratch
+
+    def _read_base(self, name: str, box: Box) -> torch.Tensor:
+        """The base values of ``box``: a modules_to_save replacement when the adapter has one."""
+        replacement = self.adapter.replacements.get(name)
+        if replacement is not None:
+            return replacement[tuple(slice(a, b) for a, b in box)]
+        return self.base.read(name, box)
 
     def _check(self, name: str, values: torch.Tensor) -> None:
         if self.config.check_finite and not bool(torch.isfinite(values).all()):
