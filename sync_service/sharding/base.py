@@ -45,8 +45,28 @@ class ShardedBase:
         shards: global name -> ``LocalShard``, in production (layer) order.
     """
 
-    def __init__(self, shards: Mapping[str, LocalShard]) -> None:
+    def __init__(self, shards: Mapping[str, LocalShard], *, layout: object | None = None,
+                 tied_aliases: Mapping[str, str] | None = None) -> None:
         self._shards = dict(shards)
+        self.layout = layout
+        """The merge core's ``FamilyLayout`` of the model, when known (passed on to ``MergedSource``)."""
+        self.tied_aliases = dict(tied_aliases or {})
+        """Tied alias not listed (``lm_head.weight``) -> listed tensor it shares."""
+
+    def with_locals(self, tensors: Mapping[str, torch.Tensor]) -> "ShardedBase":
+        """A new ShardedBase with some local tensors replaced (same pieces and ownership); ``self``
+        is unchanged, so a snapshot holding ``self`` keeps its values (copy on write).
+
+        Raises:
+            KeyError: unknown name. ValueError: a replacement of another shape or dtype.
+        """
+        shards = dict(self._shards)
+        for name, t in tensors.items():
+            old = shards[name]
+            if t.shape != old.local.shape or t.dtype != old.local.dtype:
+                raise ValueError(f"{name}: replacement {t.dtype}{list(t.shape)} != local {old.local.dtype}{list(old.local.shape)}")
+            shards[name] = LocalShard(meta=old.meta, local=t, pieces=old.pieces, owned=old.owned)
+        return ShardedBase(shards, layout=self.layout, tied_aliases=self.tied_aliases)
 
     def metas(self) -> list[ParamMeta]:
         """Every tensor of the model, whole (``box=None``), global shapes, in layer order."""
@@ -87,7 +107,7 @@ class ShardedBase:
         raise ValueError(f"box {box} of {name!r} is not held by this rank (holds {held})")
 
 
-def shard_tensors(tensors: Mapping[str, torch.Tensor], spec: ShardSpec) -> ShardedBase:
+def shard_tensors(tensors: Mapping[str, torch.Tensor], spec: ShardSpec, *, layout: object | None = None) -> ShardedBase:
     """Cut full hf-fused tensors into the rank's local shards (copies the held pieces).
 
     Raises:
@@ -97,7 +117,7 @@ def shard_tensors(tensors: Mapping[str, torch.Tensor], spec: ShardSpec) -> Shard
     for name, full in tensors.items():
         meta = ParamMeta(name=name, dtype=_dtype_name(full.dtype), shape=tuple(full.shape))
         shards[name] = _make_shard(meta, spec, lambda box, full=full: full[_slices(box)])
-    return ShardedBase(shards)
+    return ShardedBase(shards, layout=layout)
 
 
 def load_shard(provider: object, spec: ShardSpec) -> ShardedBase:
@@ -111,7 +131,7 @@ def load_shard(provider: object, spec: ShardSpec) -> ShardedBase:
     for meta in provider.metas():
         whole = ParamMeta(name=meta.name, dtype=meta.dtype, shape=tuple(meta.shape))
         shards[meta.name] = _make_shard(whole, spec, lambda box, n=meta.name: provider.read(n, box))
-    return ShardedBase(shards)
+    return ShardedBase(shards, layout=getattr(provider, "layout", None), tied_aliases=getattr(provider, "tied_aliases", None))
 
 
 def _make_shard(meta: ParamMeta, spec: ShardSpec, read_global) -> LocalShard:

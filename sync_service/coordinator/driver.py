@@ -1,0 +1,196 @@
+"""``Coordinator``: drives syncs between TrainerShard and RolloutEngine actors (driver side).
+
+One sync of version v:
+  1. ``snapshot(v)`` on every trainer (returns the names a delta needs; ``None`` = everything);
+  2. every engine ``receive`` (stages, verifies, acks) while every trainer ``send``s its buckets;
+  3. all acked → every engine ``commit(v)``; any failure → every engine ``abort()`` (the previous
+     version stays served everywhere) and ``SyncError`` is raised with the per-engine results.
+
+Full sync the first time and whenever an engine has not yet received one (a new member); otherwise
+delta: only the names the adapter changes. Every frame of a channel goes to all its engines, so a
+new engine makes the next sync full for all of them (simple and correct; a late joiner costs one
+full sync). Membership changes reopen the channel (a new ``TransportSpec`` sized to the members).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+
+import ray
+
+from actors.trainer import meta_from_list
+from protocols.wire import SyncPlan, encode
+from sync_service.coordinator.metrics import EngineResult, SyncError, SyncMetrics
+from sync_service.coordinator.planning import build_sync_plan, validate_plan
+from sync_service.transports import TransportSpec
+
+# SyncConfig.transport -> TransportSpec.kind
+TRANSPORT_KINDS = {"ray": "ray", "torch": "torch_dist", "shm": "shm"}
+
+
+class Coordinator:
+    """Plans once, validates every engine before any byte moves, and runs syncs (blocking)."""
+
+    def __init__(self, trainers: Sequence, engines: Sequence, config) -> None:
+        if not trainers:
+            raise ValueError("WeightSync needs at least one trainer shard")
+        self.config = config
+        self.trainers = list(trainers)
+        self.engines: list = []
+        self.names: list[str] = []
+        self._full_done: set[str] = set()
+        self._channel_id = uuid.uuid4().hex[:8]
+        self._epoch = 0
+        self._connected = False
+        self._plan = self._build_plan()
+        self._plan_bytes = encode(self._plan)
+        for engine in engines:
+            self._admit(engine)
+
+    # -- membership ------------------------------------------------------------------------
+    @property
+    def plan(self) -> SyncPlan:
+        return self._plan
+
+    def add_engine(self, engine) -> str:
+        """Validate a new engine against the plan and admit it; its first sync is full.
+
+        Raises:
+            PlanMismatchError: its table does not fit (nothing changes).
+        """
+        name = self._admit(engine)
+        self._connected = False
+        return name
+
+    def remove_engine(self, engine) -> None:
+        """Stop syncing to ``engine`` (it keeps serving its last committed version).
+
+        Raises:
+            ValueError: not a member.
+        """
+        for i, e in enumerate(self.engines):
+            if e == engine:
+                self._get([e.close_transport.remote()], "close_transport")
+                del self.engines[i]
+                self._full_done.discard(self.names.pop(i))
+                self._connected = False
+                return
+        raise ValueError("remove_engine: that engine is not a member of this WeightSync")
+
+    def engine_versions(self) -> dict[str, int | None]:
+        return dict(zip(self.names, self._get([e.weight_version.remote() for e in self.engines], "weight_version")))
+
+    # -- syncs -----------------------------------------------------------------------------
+    def snapshot(self, version: int) -> frozenset[str] | None:
+        """Freeze ``version`` on every trainer; the union of the names a delta needs (``None``: all)."""
+        changed = self._get([t.snapshot.remote(version) for t in self.trainers], "snapshot")
+        if any(c is None for c in changed):
+            return None
+        return frozenset(n for c in changed for n in c)
+
+    def transfer(self, version: int, changed: frozenset[str] | None) -> SyncMetrics:
+        """Stream the snapshot of ``version`` to every engine and commit it — or abort everywhere.
+
+        Raises:
+            SyncError: any trainer or engine failed; no engine committed ``version``.
+        """
+        if not self.engines:
+            for t in self.trainers:
+                t.drop_snapshot.remote(version)
+            raise SyncError(f"push({version}): no engines to sync to", None)
+        t0 = time.perf_counter()
+        if not self._connected:
+            self._connect()
+        full = changed is None or any(n not in self._full_done for n in self.names)
+        names = None if full else sorted(changed)
+        session = f"{self._channel_id}-{self._epoch}-v{version}"
+        timeout = self.config.timeout_s
+        recv = [e.receive.remote(timeout) for e in self.engines]
+        send = [t.send.remote(session, version, names, timeout) for t in self.trainers]
+        sent, send_errors = self._collect(send)
+        received, recv_errors = self._collect(recv)
+        ok = not any(send_errors) and not any(recv_errors)
+        results = []
+        if ok:
+            tc = time.perf_counter()
+            self._get([e.commit.remote(version) for e in self.engines], "commit")
+            commit_s = time.perf_counter() - tc
+            self._full_done.update(self.names)
+        else:
+            self._get([e.abort.remote() for e in self.engines], "abort")
+            commit_s = 0.0
+        for name, stats, err in zip(self.names, received, recv_errors):
+            results.append(EngineResult(engine=name, committed=ok, error=err or (None if ok else "sync aborted"),
+                                        apply_s=stats["apply_s"] if stats else 0.0,
+                                        payload_bytes=stats["payload_bytes"] if stats else 0))
+        metrics = SyncMetrics.from_stats(version=version, full=full, sent=[s for s in sent if s],
+                                         engines=results, commit_s=commit_s, seconds=time.perf_counter() - t0)
+        if not ok:
+            detail = "; ".join(e for e in send_errors + recv_errors if e)
+            raise SyncError(f"push({version}) aborted on every engine: {detail[:2000]}", metrics)
+        return metrics
+
+    # -- internals -------------------------------------------------------------------------
+    def _build_plan(self) -> SyncPlan:
+        owned = self._get([t.owned_metas.remote() for t in self.trainers], "owned_metas")
+        return build_sync_plan([[meta_from_list(m) for m in metas] for metas in owned],
+                               bucket_bytes=self.config.bucket_bytes)
+
+    def _admit(self, engine) -> str:
+        name, table = self._get([engine.engine_name.remote(), engine.param_metas.remote()], "param_metas")
+        if name in self.names:
+            name = f"{name}#{len(self.names)}"
+        validate_plan(self._plan, [meta_from_list(m) for m in table], engine=name)
+        self.engines.append(engine)
+        self.names.append(name)
+        return name
+
+    def _connect(self) -> None:
+        self._epoch += 1
+        spec = TransportSpec(kind=TRANSPORT_KINDS[self.config.transport], name=f"ws{self._channel_id}e{self._epoch}",
+                             num_senders=len(self.trainers), num_receivers=len(self.engines),
+                             bucket_bytes=self._plan.bucket_bytes, connect_timeout_s=self.config.timeout_s,
+                             op_timeout_s=self.config.timeout_s)
+        raw = spec.to_bytes()
+        refs = [t.open_transport.remote(raw, self._plan_bytes) for t in self.trainers]
+        refs += [e.open_transport.remote(raw, self._plan_bytes, i) for i, e in enumerate(self.engines)]
+        self._get(refs, "open_transport")
+        self._connected = True
+
+    def _collect(self, refs: list) -> tuple[list, list]:
+        """Results and error texts of ``refs`` (each waited for at most timeout_s + grace)."""
+        results, errors = [], []
+        deadline = time.monotonic() + self.config.timeout_s + 30.0
+        for ref in refs:
+            try:
+                results.append(ray.get(ref, timeout=max(deadline - time.monotonic(), 0.1)))
+                errors.append(None)
+            except Exception as exc:  # RayTaskError wraps the actor's exception; keep its text
+                results.append(None)
+                errors.append(_short(exc))
+        return results, errors
+
+    def _get(self, refs: list, what: str) -> list:
+        try:
+            return ray.get(refs, timeout=self.config.timeout_s + 30.0)
+        except ray.exceptions.RayTaskError as exc:
+            raise exc.as_instanceof_cause() from None
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"{what}: no answer within {self.config.timeout_s + 30.0:.0f} s") from None
+
+    def close(self) -> None:
+        """Close every channel side (best effort, bounded)."""
+        refs = [t.close_transport.remote() for t in self.trainers] + [e.close_transport.remote() for e in self.engines]
+        try:
+            ray.get(refs, timeout=30)
+        except Exception:
+            pass
+        self._connected = False
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc.as_instanceof_cause() if isinstance(exc, ray.exceptions.RayTaskError) else exc)
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1][:1000] if lines else type(exc).__name__

@@ -1,0 +1,77 @@
+"""Typed results of a sync: ``SyncMetrics`` (per push) and ``EngineResult`` (per engine)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class EngineResult:
+    """One engine's outcome of one push.
+
+    Attributes:
+        engine: the engine's name. committed: it serves the pushed version now.
+        error: why the sync failed on it (its own error, or ``"sync aborted"`` when another member
+            failed); ``None`` when committed. apply_s: seconds in ``EngineAdapter.apply``.
+        payload_bytes: bytes it received.
+    """
+
+    engine: str
+    committed: bool
+    error: str | None
+    apply_s: float
+    payload_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class SyncMetrics:
+    """What one push moved and where its time went.
+
+    Stage seconds are the slowest trainer's (stages of different trainers run in parallel):
+    ``gather_s`` factor all-gather, ``merge_s`` merge into bucket views (``WeightSource.fill``),
+    ``pack_s`` checksums + headers, ``transfer_s`` inside ``Transport.send`` (overlaps packing),
+    ``apply_s`` the slowest engine's apply copies, ``commit_s`` the commit round.
+    ``seconds`` is the wall time of the transfer (after the snapshot), ``bytes`` the payload bytes
+    sent by all trainers (each frame reaches every engine), ``gb_per_s`` = bytes / seconds / 1e9.
+    """
+
+    version: int
+    full: bool
+    bytes: int
+    buckets: int
+    seconds: float
+    gather_s: float
+    merge_s: float
+    pack_s: float
+    transfer_s: float
+    apply_s: float
+    commit_s: float
+    engines: tuple[EngineResult, ...] = field(default_factory=tuple)
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    @classmethod
+    def from_stats(cls, *, version: int, full: bool, sent: list[dict], engines: list[EngineResult],
+                   commit_s: float, seconds: float) -> "SyncMetrics":
+        def slowest(key: str) -> float:
+            return max((s[key] for s in sent), default=0.0)
+
+        return cls(version=version, full=full, bytes=sum(s["payload_bytes"] for s in sent),
+                   buckets=sum(s["buckets"] for s in sent), seconds=seconds, gather_s=slowest("gather_s"),
+                   merge_s=slowest("merge_s"), pack_s=slowest("pack_s"), transfer_s=slowest("transfer_s"),
+                   apply_s=max((e.apply_s for e in engines), default=0.0), commit_s=commit_s, engines=tuple(engines))
+
+
+class SyncError(RuntimeError):
+    """A push failed and was aborted on every engine (each serves its previous version).
+
+    Attributes:
+        metrics: what was measured up to the failure, with per-engine errors (``None`` if the push
+            never started moving bytes).
+    """
+
+    def __init__(self, message: str, metrics: SyncMetrics | None):
+        super().__init__(message)
+        self.metrics = metrics

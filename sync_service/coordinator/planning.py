@@ -1,0 +1,83 @@
+"""Plan building and validation: pure functions over ``ParamMeta`` lists (no Ray).
+
+``build_sync_plan`` packs each trainer rank's owned boxes into its own buckets
+(``streaming.plan.build_plan``, sender = rank) and combines them. ``validate_plan`` checks the plan
+against one engine's parameter table *before the first byte moves*: every sent name resolves to
+exactly one engine parameter with the same shape and dtype, every engine parameter is covered
+completely (a full sync must leave nothing at the engine's initial values), and no element is sent
+twice. Errors list the offending names on both sides.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+from protocols.params import ParamMeta, box_numel
+from protocols.wire import SyncPlan
+from sync_service.streaming.plan import build_plan, combine_plans
+
+__all__ = ["PlanMismatchError", "build_sync_plan", "validate_plan"]
+
+
+class PlanMismatchError(ValueError):
+    """The trainers' plan does not fit an engine's parameter table; nothing was sent.
+
+    Attributes:
+        engine: the engine's name. unexpected: sent names the engine lacks. missing: engine
+        parameters nobody sends (fully). mismatched: ``name: sent dtype[shape] vs engine dtype[shape]``.
+    """
+
+    def __init__(self, engine: str, unexpected: list[str], missing: list[str], mismatched: list[str]):
+        parts = []
+        if unexpected:
+            parts.append(f"{len(unexpected)} sent name(s) not in the engine table, e.g. {unexpected[:3]}")
+        if missing:
+            parts.append(f"{len(missing)} engine parameter(s) not (fully) produced by any trainer, e.g. {missing[:3]}")
+        if mismatched:
+            parts.append(f"{len(mismatched)} shape/dtype mismatch(es), e.g. {mismatched[:3]}")
+        super().__init__(
+            f"engine {engine!r}: plan does not match its parameter table: {'; '.join(parts)}. "
+            f"Load the engine from the same model family/size and dtype as the trainers' base."
+        )
+        self.engine, self.unexpected, self.missing, self.mismatched = engine, unexpected, missing, mismatched
+
+
+def build_sync_plan(owned: Sequence[Sequence[ParamMeta]], *, bucket_bytes: int) -> SyncPlan:
+    """One plan for all trainer ranks: ``owned[rank]`` are rank's global boxes, in production order.
+
+    Raises:
+        ValueError: a box produced by two ranks, bad dtype, or bad ``bucket_bytes``.
+    """
+    return combine_plans([build_plan(list(metas), bucket_bytes=bucket_bytes, sender=rank)
+                          for rank, metas in enumerate(owned)])
+
+
+def validate_plan(plan: SyncPlan, table: Sequence[ParamMeta], *, engine: str) -> None:
+    """Check ``plan`` against one engine's table (whole tensors).
+
+    Raises:
+        PlanMismatchError: unexpected, missing, partially covered or mismatched names.
+    """
+    by_name: dict[str, ParamMeta] = {}
+    duplicates = []
+    for m in table:
+        if m.name in by_name:
+            duplicates.append(m.name)
+        by_name[m.name] = m
+    sent: dict[str, int] = defaultdict(int)
+    kinds: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for e in plan.entries:
+        sent[e.name] += box_numel(e.box)
+        kinds[e.name] = (e.dtype, tuple(e.shape))
+    unexpected = sorted(n for n in sent if n not in by_name) + sorted(duplicates)
+    mismatched = sorted(
+        f"{n}: sent {d}{list(s)} vs engine {by_name[n].dtype}{list(by_name[n].shape)}"
+        for n, (d, s) in kinds.items() if n in by_name and (d, s) != (by_name[n].dtype, tuple(by_name[n].shape))
+    )
+    missing = sorted(
+        n for n, m in by_name.items()
+        if sent.get(n, 0) != box_numel(m.covered_box()) and not any(x.startswith(n + ":") for x in mismatched)
+    )
+    if unexpected or missing or mismatched:
+        raise PlanMismatchError(engine, unexpected, missing, mismatched)

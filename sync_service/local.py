@@ -1,0 +1,101 @@
+"""Local runs of the whole product (demo, ``weightsync sync``, end-to-end tests): start trainer
+shards and rollout engines as Ray actors, replay training steps on the full adapter, and compute the
+reference merge a version must equal.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from protocols.params import full_box
+
+__all__ = ["start_trainers", "start_engines", "AdapterReplay", "reference_state", "save_adapter"]
+
+
+def start_trainers(base_dir: str | Path, adapter_dir: str | Path | None, *, ep: int = 1, tp: int = 1,
+                   timeout_s: float = 120.0, actor_options: Mapping | None = None) -> list:
+    """Start ``ep·tp`` TrainerShard actors, join their gloo group, load their shards. Blocks."""
+    import ray
+
+    from actors.trainer import TrainerShard
+
+    world = ep * tp
+    opts = dict(actor_options or {})
+    shards = [TrainerShard.options(**opts).remote(base_dir=str(base_dir), adapter_dir=None if adapter_dir is None else str(adapter_dir),
+                                                  rank=r, ep=ep, tp=tp, gather_timeout_s=timeout_s) for r in range(world)]
+    host, port = ray.get(shards[0].rendezvous_address.remote(), timeout=timeout_s)
+    ray.get([s.setup.remote(host, port, timeout_s) for s in shards], timeout=timeout_s + 30)
+    return shards
+
+
+def start_engines(model_dir: str | Path, count: int, *, engine: str = "hf", timeout_s: float = 120.0,
+                  actor_options: Mapping | None = None, prefix: str = "engine") -> list:
+    """Start ``count`` RolloutEngine actors loaded from ``model_dir``. Blocks until they answer."""
+    import ray
+
+    from actors.rollout import RolloutEngine
+
+    opts = dict(actor_options or {})
+    engines = [RolloutEngine.options(**opts).remote(model_dir=str(model_dir), engine=engine, name=f"{prefix}{i}")
+               for i in range(count)]
+    ray.get([e.weight_version.remote() for e in engines], timeout=timeout_s)
+    return engines
+
+
+class AdapterReplay:
+    """The full PEFT state dict of an adapter after replaying ``train_step``s (the reference side)."""
+
+    def __init__(self, adapter_dir: str | Path) -> None:
+        from peft import PeftConfig
+        from safetensors.torch import load_file
+
+        self.dir = Path(adapter_dir)
+        self.peft_config = PeftConfig.from_pretrained(str(self.dir))
+        self.state: dict[str, torch.Tensor] = load_file(str(self.dir / "adapter_model.safetensors"))
+
+    def step(self, step: int, scale: float = 0.02) -> None:
+        """Apply the same update as ``TrainerShard.train_step(step, scale)`` on every rank."""
+        from sync_service.sharding.training import step_delta
+
+        self.state = {k: v + step_delta(k, tuple(v.shape), step, scale).to(v.dtype) for k, v in self.state.items()}
+
+    def save(self, out_dir: str | Path) -> Path:
+        """Write this state as a PEFT adapter directory (safetensors + adapter_config.json)."""
+        return save_adapter(self.dir, self.state, out_dir)
+
+
+def save_adapter(template_dir: str | Path, state: Mapping[str, torch.Tensor], out_dir: str | Path) -> Path:
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (out / "adapter_config.json").write_text((Path(template_dir) / "adapter_config.json").read_text())
+    return out
+
+
+def reference_state(base_dir: str | Path, peft_config, adapter_state: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """Every merged tensor (hf-fused naming) of the full base + ``adapter_state``: the values every
+    engine must hold after a sync of that version (``MergedSource`` over the unsharded base)."""
+    from sync_service.merge.adapter import adapter_from_state_dict
+    from sync_service.merge.base import SafetensorsBase
+    from sync_service.merge.source import MergeConfig, MergedSource
+
+    base = SafetensorsBase(base_dir)
+    adapter = None if adapter_state is None else adapter_from_state_dict(
+        peft_config, dict(adapter_state), base.layout, base.metas(), tied_aliases=base.tied_aliases)
+    source = MergedSource(base, adapter, config=MergeConfig())
+    out = {}
+    for m in source.param_metas():
+        buf = torch.empty(m.shape, dtype=source.out_dtype(m.name))
+        source.fill(m.name, full_box(m.shape), buf)
+        out[m.name] = buf
+    return out
+
+
+def read_json(path: str | Path) -> dict:
+    return json.loads(Path(path).read_text())
