@@ -58,7 +58,7 @@ def _randomize_adapter_(model: torch.nn.Module, *, seed: int, init_scale: float)
             param.mul_(1.0 + noise.to(param.dtype))
         elif "modules_to_save" in name or ".hada_" in name or "ia3_" in name:
             param.add_(noise.to(param.dtype))
-        elif "lora_A" in name or "lora_B" in name:
+        elif any(part in name for part in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")):
             param.copy_(noise.to(param.dtype))
         else:
             continue
@@ -99,8 +99,8 @@ def make_adapter(
         r, lora_alpha, use_rslora, rank_pattern, alpha_pattern, use_dora, modules_to_save,
             lora_bias: as PEFT's ``LoraConfig``. Scaling s = lora_alpha / r (rsLoRA: / sqrt(r)).
         target_modules: replaces the kind's default ``target_modules`` (``target_parameters`` stay).
-            With ``use_dora`` the router ``target_parameters`` of ``"dense"`` are dropped (PEFT has no
-            DoRA for parameter targets).
+            With ``use_dora`` or ``lora_bias`` the router ``target_parameters`` of ``"dense"`` are
+            dropped (PEFT has neither for parameter targets).
         save_embedding_layers: as PEFT's ``save_pretrained``; ``True`` also stores the (unchanged)
             ``lm_head`` / ``embed_tokens`` base weights when those are LoRA targets.
         seed, init_scale: factors are ``init_scale·N(0, 1)`` from a generator seeded with ``seed``.
@@ -118,7 +118,7 @@ def make_adapter(
             raise ValueError("legacy adapters are written by hand without DoRA, modules_to_save or lora_bias")
     default_modules, target_parameters = _default_targets(spec, kind)
     modules = list(target_modules) if target_modules is not None else default_modules
-    if use_dora and kind == "dense":
+    if (use_dora or lora_bias) and kind == "dense":
         target_parameters = []
     from peft import LoraConfig
 

@@ -136,6 +136,7 @@ FAMILIES: dict[str, FamilySpec] = {
             q_lora_rank=s.hidden // 2,
             kv_lora_rank=s.hidden // 2,
             qk_rope_head_dim=s.hidden // 4,
+            head_dim=s.hidden // 4,  # the rotary embedding's width: must equal qk_rope_head_dim
             qk_nope_head_dim=s.hidden // 4,
             v_head_dim=s.hidden // 2,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
