@@ -4,20 +4,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 from sync_service.merge.errors import MergeError
 from sync_service.merge.targets import TARGETS
 
 
-def parse_size(text: str) -> int:
-    """``"2GB"``, ``"500MB"``, ``"1GiB"``, ``"1000"`` → bytes (transformers' own size parser)."""
-    from transformers.utils.hub import convert_file_size_to_int
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
-    try:
-        return int(convert_file_size_to_int(text.strip()))
-    except (ValueError, TypeError) as exc:
-        raise argparse.ArgumentTypeError(f"size {text!r} not understood; use e.g. 2GB, 500MB, 1GiB") from exc
+
+def parse_size(text: str) -> int:
+    """``"2GB"``, ``"500MB"``, ``"1.5GiB"``, ``"1000"`` → bytes (decimal KB/MB/GB, binary KiB/MiB/GiB)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    unit = m.group(2).upper() if m else None
+    if m is None or unit not in _UNITS or float(m.group(1)) * _UNITS[unit] < 1:
+        raise argparse.ArgumentTypeError(f"size {text!r} not understood; use e.g. 2GB, 500MB, 1GiB, 4096")
+    return int(float(m.group(1)) * _UNITS[unit])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
