@@ -95,8 +95,8 @@ def adapter_from_state_dict(
     """Normalise a PEFT LoRA state dict (as ``peft.get_peft_model_state_dict(model)`` returns it,
     or as ``adapter_model.safetensors`` holds it) against the base tensors ``base_metas``.
 
-    Tensors are referenced, not copied, where already fp32 (call ``snapshot()`` to detach from a
-    live trainer).
+    Dense factors already in fp32 are referenced, not copied; packed expert factors are re-laid
+    out per expert (a copy). Call ``snapshot()`` to detach from a live trainer.
 
     Raises:
         MergeError: non-LoRA adapter type, lora_bias, a key matching no base tensor, a shape or
