@@ -72,12 +72,25 @@ class TrainerShard:
             s.bind(("127.0.0.1", 0))
             return "127.0.0.1", s.getsockname()[1]
 
-    def setup(self, host: str | None, port: int | None, timeout_s: float) -> int:
-        """Join the gloo trainer group (when world > 1) and load this rank's shard. Returns #owned boxes."""
+    def setup(self, host: str | None, port: int | None, timeout_s: float, **reconfigure) -> int:
+        """Join the gloo trainer group (when world > 1) and load this rank's shard; returns how many
+        boxes it owns. ``reconfigure`` (``base_dir``, ``adapter_dir``, ``rank``, ``ep``, ``tp``)
+        reloads a running actor with another shard (the old group and channel are closed first)."""
         import torch.distributed as dist
 
+        unknown = set(reconfigure) - {"base_dir", "adapter_dir", "rank", "ep", "tp"}
+        if unknown:
+            raise TypeError(f"setup: unknown settings {sorted(unknown)}")
+        self.close_transport()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if reconfigure:
+            self._init.update({k: reconfigure[k] for k in ("base_dir", "adapter_dir") if k in reconfigure})
+            self.spec = ShardSpec(rank=reconfigure.get("rank", self.spec.rank), ep=reconfigure.get("ep", self.spec.ep),
+                                  tp=reconfigure.get("tp", self.spec.tp))
+        self.state, self._full_shapes = None, {}
         world = self.spec.world_size
-        if world > 1 and not dist.is_initialized():
+        if world > 1:
             dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=self.spec.rank,
                                     world_size=world, timeout=timedelta(seconds=timeout_s))
         self.state = TrainerState.from_checkpoint(self._init["base_dir"], self._init["adapter_dir"], self.spec,

@@ -17,18 +17,24 @@ __all__ = ["start_trainers", "start_engines", "AdapterReplay", "reference_state"
 
 
 def start_trainers(base_dir: str | Path, adapter_dir: str | Path | None, *, ep: int = 1, tp: int = 1,
-                   timeout_s: float = 120.0, actor_options: Mapping | None = None) -> list:
-    """Start ``ep·tp`` TrainerShard actors, join their gloo group, load their shards. Blocks."""
+                   timeout_s: float = 120.0, actor_options: Mapping | None = None, reuse: list | None = None) -> list:
+    """Start ``ep·tp`` TrainerShard actors (or reload the ``reuse`` actors, same count), join their
+    gloo group, load their shards. Blocks."""
     import ray
 
     from actors.trainer import TrainerShard
 
     world = ep * tp
+    adapter = None if adapter_dir is None else str(adapter_dir)
+    if reuse is not None and len(reuse) != world:
+        raise ValueError(f"reuse: {len(reuse)} actors for ep·tp = {world} ranks")
     opts = dict(actor_options or {})
-    shards = [TrainerShard.options(**opts).remote(base_dir=str(base_dir), adapter_dir=None if adapter_dir is None else str(adapter_dir),
-                                                  rank=r, ep=ep, tp=tp, gather_timeout_s=timeout_s) for r in range(world)]
+    shards = reuse or [TrainerShard.options(**opts).remote(base_dir=str(base_dir), adapter_dir=adapter, rank=r, ep=ep,
+                                                           tp=tp, gather_timeout_s=timeout_s) for r in range(world)]
     host, port = ray.get(shards[0].rendezvous_address.remote(), timeout=timeout_s)
-    ray.get([s.setup.remote(host, port, timeout_s) for s in shards], timeout=timeout_s + 30)
+    settings = [dict(base_dir=str(base_dir), adapter_dir=adapter, rank=r, ep=ep, tp=tp) for r in range(world)]
+    ray.get([s.setup.remote(host, port, timeout_s, **(settings[r] if reuse else {})) for r, s in enumerate(shards)],
+            timeout=timeout_s + 30)
     return shards
 
 

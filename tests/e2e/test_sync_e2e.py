@@ -1,0 +1,169 @@
+"""The product end to end: TrainerShard actors (EP / TP) → WeightSync → RolloutEngine actors.
+
+Real Ray, real processes, real gloo, real transformers models; every check compares values with the
+reference merge (``MergedSource`` over the unsharded base + the version's adapter).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from sync_service.api import PlanMismatchError, SyncConfig, WeightSync
+from sync_service.local import AdapterReplay, reference_state, start_engines, start_trainers
+from sync_service.synthetic import make_adapter, make_base
+from tests.e2e.conftest import assert_engines_equal
+
+ray = pytest.importorskip("ray")
+
+E = 8
+CONFIG = SyncConfig(transport="shm", bucket_bytes=8 << 10, timeout_s=90)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("e2e")
+    out = {}
+    for family in ("qwen3_moe", "mixtral"):
+        base = make_base(family, root / f"{family}-base", num_experts=E, num_layers=2)
+        out[family] = (base, make_adapter(family, base, root / f"{family}-lora", kind="target_parameters", r=2))
+    return root, out
+
+
+@pytest.fixture(scope="module")
+def trainer_pool(ray_local):
+    """Two TrainerShard actors reloaded by each test (``setup(..., base_dir=..., ep=..., tp=...)``)."""
+    from actors.trainer import TrainerShard
+
+    pool = [TrainerShard.remote(base_dir="", adapter_dir=None) for _ in range(2)]
+    yield pool
+    kill(pool)
+
+
+@pytest.fixture(scope="module")
+def engines(ray_local, files):
+    _, by_family = files
+    return {"qwen3_moe": start_engines(by_family["qwen3_moe"][0], 2, prefix="qwen"),
+            "mixtral": start_engines(by_family["mixtral"][0], 1, prefix="mixtral")}
+
+
+def kill(actors) -> None:
+    for a in actors:
+        ray.kill(a)
+
+
+def run_versions(trainers, engines, base, adapter, versions=3, atol=0.0) -> WeightSync:
+    sync = WeightSync(trainers=trainers, engines=engines, config=CONFIG)
+    replay = AdapterReplay(adapter)
+    for v in range(versions):
+        if v:
+            ray.get([t.train_step.remote(v) for t in trainers])
+            replay.step(v)
+        metrics = sync.push(v)
+        assert metrics.full == (v == 0) and all(e.committed for e in metrics.engines)
+        assert metrics.buckets >= 2 and metrics.bytes > 0
+        assert_engines_equal(engines, reference_state(base, replay.peft_config, replay.state), what=f"version {v}", atol=atol)
+    assert set(sync.engine_versions().values()) == {versions - 1}
+    return sync
+
+
+@pytest.mark.parametrize("family,ep,tp", [("qwen3_moe", 2, 1), ("qwen3_moe", 1, 2), ("mixtral", 2, 1), ("mixtral", 1, 2)])
+def test_sharded_trainers_three_versions_equal_reference(files, engines, trainer_pool, family, ep, tp):
+    """Bitwise under EP (whole experts merged per rank). Under TP a rank merges a column block
+    (row-parallel) or the gate/up row halves, and fp32 GEMM rounding depends on the block shape:
+    allowed one fp32 ulp at |w| < 2 (2.4e-7)."""
+    _, by_family = files
+    base, adapter = by_family[family]
+    trainers = start_trainers(base, adapter, ep=ep, tp=tp, reuse=trainer_pool)
+    sync = run_versions(trainers, engines[family], base, adapter, atol=0.0 if tp == 1 else 2.4e-7)
+    sync.close()
+
+
+def test_snapshot_is_taken_before_push_returns(files, engines, trainer_pool):
+    _, by_family = files
+    base, adapter = by_family["qwen3_moe"]
+    trainers = start_trainers(base, adapter, ep=2, reuse=trainer_pool)
+    sync = WeightSync(trainers=trainers, engines=engines["qwen3_moe"], config=CONFIG)
+    replay = AdapterReplay(adapter)
+    sync.push(0)
+    expected = reference_state(base, replay.peft_config, replay.state)
+    handle = sync.push_async(1)  # snapshot of the unchanged factors
+    ray.get([t.train_step.remote(1, 1.0) for t in trainers])  # large change right after
+    handle.result(timeout=120)
+    assert_engines_equal(engines["qwen3_moe"], expected, what="snapshot of version 1")
+    replay.step(1, 1.0)
+    sync.push(2)
+    assert_engines_equal(engines["qwen3_moe"], reference_state(base, replay.peft_config, replay.state), what="version 2")
+    sync.close()
+
+
+@pytest.fixture(scope="module")
+def constant_experts_base(files):
+    """The qwen3_moe base with every weight of expert e set to the constant e (on disk, per expert)."""
+    root, by_family = files
+    src = by_family["qwen3_moe"][0]
+    dst = root / "qwen3-const"
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(str(src / "model.safetensors"))
+    for key, t in tensors.items():
+        parts = key.split(".")
+        if "experts" in parts:
+            tensors[key] = torch.full_like(t, float(parts[parts.index("experts") + 1]))
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_expert_offsets_and_multi_bucket_increments(constant_experts_base, engines, trainer_pool):
+    trainers = start_trainers(constant_experts_base, None, ep=2, reuse=trainer_pool)
+    targets = engines["qwen3_moe"]
+    sync = WeightSync(trainers=trainers, engines=targets, config=CONFIG)
+    sync.push(10)
+    for engine in targets:
+        state = ray.get(engine.state.remote())
+        for layer in range(2):
+            for p in ("gate_up_proj", "down_proj"):
+                t = state[f"model.layers.{layer}.mlp.experts.{p}"]
+                assert [float(np.unique(t[e])[0]) for e in range(E)] == list(range(E))
+                assert all(len(np.unique(t[e])) == 1 for e in range(E))
+    # full fine-tuning step: every local tensor + 1, twice; each sync spans several buckets
+    for version in (11, 12):
+        before = ray.get(targets[0].state.remote())
+        for t in trainers:
+            ray.get(t.update_base.remote({k: v + 1 for k, v in ray.get(t.local_base.remote()).items()}))
+        metrics = sync.push(version)
+        assert metrics.full and metrics.buckets >= 2
+        for engine in targets:
+            after = ray.get(engine.state.remote())
+            bad = [n for n in before if not np.array_equal(after[n], before[n] + 1)]
+            assert not bad, f"version {version}: not old + 1: {bad[:3]}"
+    sync.close()
+
+
+def test_engine_lacking_a_sent_name_fails_setup_before_any_byte(files, trainer_pool, tmp_path):
+    _, by_family = files
+    base, adapter = by_family["qwen3_moe"]
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    for f in base.iterdir():
+        if f.suffix != ".safetensors":
+            (partial / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(str(base / "model.safetensors"))
+    del tensors["model.norm.weight"]
+    save_file(tensors, str(partial / "model.safetensors"), metadata={"format": "pt"})
+    [engine] = start_engines(partial, 1, engine="memory", prefix="partial")
+    trainers = start_trainers(base, adapter, ep=2, reuse=trainer_pool)
+    try:
+        before = ray.get(engine.state.remote())
+        with pytest.raises(PlanMismatchError, match=r"model\.norm\.weight") as err:
+            WeightSync(trainers=trainers, engines=[engine], config=CONFIG)
+        assert err.value.unexpected == ["model.norm.weight"] and not err.value.missing
+        assert ray.get(engine.weight_version.remote()) is None
+        after = ray.get(engine.state.remote())
+        assert all(np.array_equal(after[n], before[n]) for n in before)
+    finally:
+        kill([engine])
