@@ -57,7 +57,10 @@ class ProtocolError(ValueError):
 
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
-        self.field = field
+        self.field, self.message = field, message
+
+    def __reduce__(self):  # picklable across Ray / multiprocessing despite the two-argument init
+        return (type(self), (self.field, self.message))
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,7 @@ class MemoryEngine:
         for name, t in tensors.items():
             if t.dtype not in WIRE_DTYPES:
                 raise ValueError(f"{name}: dtype {t.dtype} has no wire name; use one of {sorted(TORCH_DTYPES)}")
-        self._served = {n: t.detach().clone().contiguous() for n, t in tensors.items()}
+        self._served = {n: t.detach().clone(memory_format=torch.contiguous_format) for n, t in tensors.items()}
         self._spare: dict[str, torch.Tensor] = {}
         self._staged: dict[str, torch.Tensor] = {}
         self._names: frozenset[str] | None = None

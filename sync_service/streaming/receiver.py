@@ -35,7 +35,10 @@ class SyncAbortedError(RuntimeError):
 
     def __init__(self, sender: int, message: str):
         super().__init__(message)
-        self.sender = sender
+        self.sender, self.message = sender, message
+
+    def __reduce__(self):
+        return (type(self), (self.sender, self.message))
 
 
 @dataclass(slots=True)

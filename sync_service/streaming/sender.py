@@ -37,6 +37,9 @@ class RemoteSyncError(RuntimeError):
         super().__init__(f"receiver {receiver} failed the sync ({field or 'error'}): {message}")
         self.receiver, self.field, self.message = receiver, field, message
 
+    def __reduce__(self):
+        return (type(self), (self.receiver, self.field, self.message))
+
 
 @dataclass(slots=True)
 class SendStats:

@@ -136,7 +136,9 @@ class RayReceiver:
             item = _get(self.inbox.get.remote(min(left, _POLL_S)), min(left, _POLL_S) + 5.0, "Ray inbox")
             if item is not None:
                 break
-            _get([p.ping.remote() for p in self._peers()], 5.0, "Ray sender liveness")
+            if self._senders is not None:  # known once a frame came: check they still live
+                _get([p.ping.remote() for p in self._senders], 5.0, "Ray sender liveness")
+        self._peers()
         header, refs = item
         if refs is None:
             return header, None

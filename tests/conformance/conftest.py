@@ -1,0 +1,75 @@
+"""Fixtures of the transport conformance suite: one local Ray per module, two engine processes
+(Ray actors) reused by every test, and a channel per test over each transport kind."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import tempfile
+import uuid
+from pathlib import Path
+
+import pytest
+import ray
+
+from sync_service.transports import TransportSpec, open_sender
+from tests.conformance.peers import EnginePeer
+
+ROOT = str(Path(__file__).resolve().parents[2])
+KINDS = ["shm", "ray", "torch_dist"]
+BUCKET_BYTES = 4096
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    tmp = tempfile.mkdtemp(prefix="wsr", dir="/tmp")
+    ray.init(num_cpus=2, _temp_dir=tmp, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
+    yield
+    ray.shutdown()
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def engines(ray_cluster):
+    peers = [EnginePeer.remote() for _ in range(2)]
+    ray.get([p.pid.remote() for p in peers], timeout=60)
+    yield peers
+    for p in peers:
+        ray.kill(p)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_spec(kind: str, num_receivers: int = 1, num_senders: int = 1, **kw) -> TransportSpec:
+    return TransportSpec(kind=kind, name="c" + uuid.uuid4().hex[:10], num_receivers=num_receivers,
+                         num_senders=num_senders, bucket_bytes=BUCKET_BYTES, max_header_bytes=64 << 10,
+                         port=free_port(), connect_timeout_s=30.0, op_timeout_s=30.0, **kw)
+
+
+class Channel:
+    """Sender side(s) in this process, receiver sides in engine actors."""
+
+    def __init__(self, spec: TransportSpec, peers, senders_here: bool = True):
+        self.spec, self.peers = spec, peers
+        opening = [p.open.remote(spec.to_bytes(), i) for i, p in enumerate(peers)]
+        self.txs = [open_sender(spec, s) for s in range(spec.num_senders)] if senders_here else []
+        ray.get(opening, timeout=60)
+
+    def close(self) -> None:
+        for tx in self.txs:
+            tx.close()
+        ray.get([p.close.remote() for p in self.peers], timeout=30)
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def channel(request, engines):
+    """One channel per transport kind, shared by the tests of the module: each test must leave it
+    clean (that the next sync succeeds after a failure is part of the contract)."""
+    ch = Channel(make_spec(request.param), engines[:1])
+    yield ch
+    ch.close()
