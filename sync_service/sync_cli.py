@@ -1,0 +1,244 @@
+"""``weightsync sync``: stream a base checkpoint + PEFT adapter from sharded trainers to rollout
+engines on a local Ray, and verify every version.
+
+Per version: (version > 0: every trainer takes a deterministic training step on its factors) →
+``WeightSync.push`` → verify on every engine that (a) its weights equal the reference merge
+(``MergedSource`` over the unsharded base + the version's adapter, replayed on the driver), (b) they
+equal the ``weightsync merge`` output of that version read back, and (c) its greedy generations
+equal those of a transformers model loaded (``from_pretrained``) from that merge output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PROMPTS = ([1, 5, 9, 13, 17, 21], [2, 3, 5, 7, 11, 13, 17])
+MAX_NEW_TOKENS = 8
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    """One local sync run."""
+
+    base: Path
+    """Base checkpoint directory (``config.json`` + ``*.safetensors``)."""
+    adapter: Path | None
+    """PEFT LoRA adapter directory; ``None`` syncs the base as is."""
+    ep: int = 1
+    """Expert-parallel trainer ranks."""
+    tp: int = 1
+    """Tensor-parallel trainer ranks (trainers = ep · tp)."""
+    engines: int = 2
+    """Rollout engines (transformers on CPU)."""
+    versions: int = 3
+    """Weight versions pushed; factors change between versions as a training step would."""
+    transport: str = "shm"
+    """``shm`` | ``ray`` | ``torch``."""
+    bucket_bytes: int = 1 << 20
+    """Bucket payload size, bytes."""
+    timeout_s: float = 120.0
+    """Bound of every blocking step, seconds."""
+    work_dir: Path | None = None
+    """Where per-version adapters and merge outputs go (default: a temp dir, removed at the end)."""
+    json_path: Path | None = None
+    """Write the results as JSON here."""
+
+
+@dataclass(slots=True)
+class VersionRow:
+    version: int
+    full: bool
+    bytes: int
+    buckets: int
+    seconds: float
+    gb_per_s: float
+    stages: dict
+    engines: list = field(default_factory=list)
+
+    @property
+    def verified(self) -> bool:
+        return bool(self.engines) and all(e["verified"] for e in self.engines)
+
+
+def _say(msg: str) -> None:
+    if sys.stderr.isatty():
+        print(f"  … {msg}", file=sys.stderr, flush=True)
+
+
+def quiet_libraries() -> None:
+    """No per-load progress bars from transformers / the hub in the table output."""
+    import os
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def start_ray(tmp: Path) -> None:
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(tmp), log_to_driver=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error",
+                                       "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}})
+
+
+def run_local(cfg: RunConfig) -> list[VersionRow]:
+    """Start Ray, trainers and engines; push and verify ``cfg.versions`` versions. Returns the rows."""
+    import ray
+
+    from sync_service.api import SyncConfig, WeightSync
+    from sync_service.local import AdapterReplay, start_engines, start_trainers
+
+    tmp = Path(tempfile.mkdtemp(prefix="wsync"))
+    work = cfg.work_dir or tmp / "work"
+    rows: list[VersionRow] = []
+    try:
+        _say("starting a local Ray (2 CPUs)")
+        start_ray(tmp / "ray")
+        _say(f"starting {cfg.ep * cfg.tp} trainer shard(s) (ep={cfg.ep}, tp={cfg.tp}) and {cfg.engines} engine(s)")
+        trainers = start_trainers(cfg.base, cfg.adapter, ep=cfg.ep, tp=cfg.tp, timeout_s=cfg.timeout_s)
+        engines = start_engines(cfg.base, cfg.engines, timeout_s=cfg.timeout_s)
+        names = [ray.get(e.engine_name.remote()) for e in engines]
+        sync = WeightSync(trainers=trainers, engines=engines, config=SyncConfig(
+            transport=cfg.transport, bucket_bytes=cfg.bucket_bytes, timeout_s=cfg.timeout_s))
+        replay = AdapterReplay(cfg.adapter) if cfg.adapter is not None else None
+        for v in range(cfg.versions):
+            if v and replay is not None:
+                ray.get([t.train_step.remote(v) for t in trainers], timeout=cfg.timeout_s)
+                replay.step(v)
+            _say(f"version {v}: push")
+            m = sync.push(v)
+            _say(f"version {v}: verify")
+            checks = verify_version(cfg, work / f"v{v}", replay, engines)
+            rows.append(VersionRow(
+                version=v, full=m.full, bytes=m.bytes, buckets=m.buckets, seconds=m.seconds, gb_per_s=m.gb_per_s,
+                stages={k: getattr(m, k) for k in ("gather_s", "merge_s", "pack_s", "transfer_s", "apply_s", "commit_s")},
+                engines=[{"engine": n, **c} for n, c in zip(names, checks)]))
+            print_row(rows[-1])
+        sync.close()
+    finally:
+        ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return rows
+
+
+def verify_version(cfg: RunConfig, vdir: Path, replay, engines) -> list[dict]:
+    """Check every engine against the reference merge, the merge output and its generations."""
+    import numpy as np
+    import ray
+    import torch
+
+    from sync_service.engines.hf import HFEngine
+    from sync_service.local import reference_state
+    from sync_service.merge.export import merge_checkpoint
+
+    reference = reference_state(cfg.base, getattr(replay, "peft_config", None), getattr(replay, "state", None))
+    merged = vdir / "merged"
+    if replay is not None:
+        merge_checkpoint(cfg.base, replay.save(vdir / "adapter"), merged, target="hf", progress=False)
+    else:
+        merged = cfg.base
+    model = HFEngine.from_pretrained(merged)
+    expected = [model.generate(p, MAX_NEW_TOKENS).tokens for p in PROMPTS]
+    atol = 0.0 if cfg.tp == 1 else 2.4e-7  # TP blocks: fp32 GEMM rounding depends on the block shape
+    out = []
+    for engine in engines:
+        state = ray.get(engine.state.remote(), timeout=cfg.timeout_s)
+        diffs = {n: float(np.abs(state[n].astype(np.float64) - _np(t)).max()) for n, t in reference.items() if n in state}
+        weights_ok = set(state) == set(reference) and max(diffs.values(), default=0.0) <= atol
+        merge_bad = ray.get(engine.mismatches.remote(str(merged)), timeout=cfg.timeout_s)
+        gens = [ray.get(engine.generate.remote(list(p), MAX_NEW_TOKENS), timeout=cfg.timeout_s) for p in PROMPTS]
+        gen_ok = [g[0] for g in gens] == expected
+        out.append({"verified": bool(weights_ok and (atol > 0 or not merge_bad) and gen_ok),
+                    "weights_equal_reference": bool(weights_ok), "max_abs_diff": max(diffs.values(), default=0.0),
+                    "weights_equal_merge_output": not merge_bad, "generations_equal": bool(gen_ok),
+                    "weight_version": gens[0][1]})
+    del torch
+    return out
+
+
+def _np(t):
+    import torch
+
+    return (t.float() if t.dtype == torch.bfloat16 else t).double().numpy()
+
+
+def print_header() -> None:
+    print(f"{'version':>7}  {'sync':>5}  {'bytes':>10}  {'buckets':>7}  {'seconds':>8}  {'GB/s':>7}  verified")
+
+
+def print_row(r: VersionRow) -> None:
+    ok = "yes" if r.verified else "NO: " + ", ".join(e["engine"] for e in r.engines if not e["verified"])
+    print(f"{r.version:>7}  {'full' if r.full else 'delta':>5}  {r.bytes:>10}  {r.buckets:>7}  {r.seconds:>8.3f}  "
+          f"{r.gb_per_s:>7.3f}  {ok}", flush=True)
+
+
+def write_json(path: Path, rows: list[VersionRow], extra: dict) -> None:
+    doc = {"versions": [{"version": r.version, "full": r.full, "bytes": r.bytes, "buckets": r.buckets,
+                         "seconds": r.seconds, "gb_per_s": r.gb_per_s, "stages": r.stages, "verified": r.verified,
+                         "engines": r.engines} for r in rows], **extra}
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base", required=True, type=Path, help="base checkpoint directory")
+    parser.add_argument("--adapter", type=Path, default=None, help="PEFT LoRA adapter directory (optional)")
+    add_common_arguments(parser, versions=1)
+
+
+def add_common_arguments(parser: argparse.ArgumentParser, *, versions: int) -> None:
+    parser.add_argument("--trainers", type=int, default=None, help="trainer shards (default: ep · tp)")
+    parser.add_argument("--ep", type=int, default=None, help="expert-parallel ranks (default: --trainers, or 2)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
+    parser.add_argument("--engines", type=int, default=2, help="rollout engines (default 2)")
+    parser.add_argument("--versions", type=int, default=versions, help=f"weight versions to push (default {versions})")
+    parser.add_argument("--transport", choices=("shm", "ray", "torch"), default="shm", help="transport (default shm)")
+    parser.add_argument("--bucket-bytes", type=int, default=1 << 20, help="bucket size in bytes (default 1 MiB)")
+    parser.add_argument("--timeout", type=float, default=120.0, help="per-step timeout, seconds (default 120)")
+    parser.add_argument("--json", type=Path, default=None, help="write the results as JSON to this path")
+
+
+def resolve_parallel(args: argparse.Namespace) -> tuple[int, int]:
+    """(ep, tp) from --trainers / --ep / --tp. Raises SystemExit with a message on a contradiction."""
+    tp = args.tp
+    ep = args.ep if args.ep is not None else (args.trainers // tp if args.trainers else 2)
+    if args.trainers is not None and args.trainers != ep * tp:
+        raise SystemExit(f"--trainers {args.trainers} != --ep {ep} × --tp {tp}; give consistent values")
+    if ep < 1 or tp < 1 or args.engines < 1 or args.versions < 1:
+        raise SystemExit("--ep, --tp, --engines and --versions must be >= 1")
+    return ep, tp
+
+
+def execute(cfg: RunConfig, extra: dict) -> int:
+    quiet_libraries()
+    print_header()
+    t0 = time.perf_counter()
+    rows = run_local(cfg)
+    total = time.perf_counter() - t0
+    ok = len(rows) == cfg.versions and all(r.verified for r in rows)
+    print(f"{'all versions verified' if ok else 'VERIFICATION FAILED'} on {cfg.engines} engine(s) in {total:.1f} s")
+    if cfg.json_path is not None:
+        write_json(cfg.json_path, rows, {**extra, "ok": ok, "total_seconds": total, "ep": cfg.ep, "tp": cfg.tp,
+                                         "transport": cfg.transport})
+    return 0 if ok else 1
+
+
+def run(args: argparse.Namespace) -> int:
+    """``weightsync sync`` entry (see ``sync_service/cli.py``)."""
+    ep, tp = resolve_parallel(args)
+    for what, path in (("--base", args.base), ("--adapter", args.adapter)):
+        if path is not None and not path.is_dir():
+            raise SystemExit(f"{what} {path}: not a directory")
+    cfg = RunConfig(base=args.base, adapter=args.adapter, ep=ep, tp=tp, engines=args.engines, versions=args.versions,
+                    transport=args.transport, bucket_bytes=args.bucket_bytes, timeout_s=args.timeout, json_path=args.json)
+    return execute(cfg, {"base": str(args.base), "adapter": None if args.adapter is None else str(args.adapter)})
+
