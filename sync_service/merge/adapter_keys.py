@@ -107,9 +107,11 @@ class _Ctx:
             return self.target_parameter(module, stripped, parts)
         target = self.resolve(module + ".weight")
         if target is not None:
+            self.check_targeted(module)
             return self.dense(module, target, parts)
         legacy = re.fullmatch(rf"(.*\.)?{re.escape(self.layout.experts_module)}\.(\d+)\.([A-Za-z0-9_]+)", self.layout.from_disk(module))
         if legacy is not None and self.layout.slot_of(legacy.group(3)) is not None:
+            self.check_targeted(module)
             return self.legacy(module, legacy.group(1) or "", int(legacy.group(2)), legacy.group(3), parts)
         raise MergeError(
             f"adapter module {module} ({', '.join(sorted(parts))}) matches no base tensor (looked for {module}.weight "
@@ -117,9 +119,27 @@ class _Ctx:
             f"the base checkpoint and the adapter's base_model_name_or_path"
         )
 
+    def by_parameter(self, key: str) -> bool:
+        """``key`` (``<module>.<param>``) is selected by ``target_parameters`` (PEFT's suffix rule)."""
+        return any(key == t or key.endswith("." + t) for t in getattr(self.config, "target_parameters", None) or [])
+
+    def check_targeted(self, module: str) -> None:
+        """The adapter_config must select ``module`` (PEFT's own ``check_target_module_exists``), or
+        its weight through ``target_parameters`` (a 2D parameter, e.g. a router that is no nn.Linear)."""
+        from peft.tuners.tuners_utils import check_target_module_exists
+
+        if self.by_parameter(module + ".weight"):
+            return
+        if getattr(self.config, "target_modules", None) is not None and not check_target_module_exists(self.config, module):
+            raise MergeError(
+                f"adapter module {module} has LoRA weights but adapter_config target_modules "
+                f"{self.config.target_modules!r} does not select it; the config does not describe these weights"
+            )
+
     def dense(self, module: str, target: str, parts: dict[str, torch.Tensor]) -> None:
         meta = self.metas[target]
-        r, s = _scaling(self.config, module)
+        # a 2D ParamWrapper (target_parameters) resolves patterns on "<module>.weight", a module on "<module>"
+        r, s = _scaling(self.config, module + ".weight" if self.by_parameter(module + ".weight") else module)
         if "lora_embedding_A" in parts:
             a, b = _check_pair(module, parts, "lora_embedding_A", "lora_embedding_B")
             x, y = a.T, b.T  # ΔW [V, H] = (B@A)ᵀ
@@ -151,10 +171,7 @@ class _Ctx:
             raise MergeError(f"adapter module {module}: DoRA is not defined for target_parameters (PEFT ParamWrapper)")
         lay = self.layout
         targets = list(getattr(self.config, "target_parameters", None) or [])
-        chosen = [
-            p for p in lay.expert_params
-            if any(f"{experts}.{p}" == t or f"{experts}.{p}".endswith("." + t) for t in targets)
-        ]
+        chosen = [p for p in lay.expert_params if self.by_parameter(f"{experts}.{p}")]
         depth = module.count(".base_layer")
         if depth >= len(chosen):
             raise MergeError(
