@@ -48,6 +48,8 @@ class Coordinator:
         self._plan_bytes = encode(self._plan)
         for engine in engines:
             self._admit(engine)
+        if self.engines:
+            self._connect()  # open the channel now, so the first push measures the transfer only
 
     # -- membership ------------------------------------------------------------------------
     @property
