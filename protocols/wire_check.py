@@ -91,7 +91,7 @@ def check_entries(raw: Any, field: str, capacity: int) -> tuple[PlanEntry, ...]:
 
 def _common(body: list, tag: str, n: int) -> list:
     _list(body, tag, n)
-    _str(body[0], f"{tag}.session", MAX_SESSION_CHARS, allow_empty=(tag == "plan"))
+    _str(body[0], f"{tag}.session", MAX_SESSION_CHARS, allow_empty=tag in ("plan", "error"))
     _int(body[1], f"{tag}.version")
     return body
 

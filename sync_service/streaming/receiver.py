@@ -125,6 +125,7 @@ class BucketReceiver:
 
     def __init__(self, adapter: EngineAdapter, plan: SyncPlan, *, receiver: int = 0, secret: bytes | None = None):
         self.adapter, self.plan, self.receiver, self.secret = adapter, plan, receiver, secret
+        self._starting: _SyncState | None = None
 
     def receive_sync(self, transport: TransportReceiver, *, timeout_s: float = 60.0, commit: bool = False) -> ApplyStats:
         """Receive one whole sync: begin → apply per bucket → finish → Ack (→ commit if asked).
@@ -153,8 +154,10 @@ class BucketReceiver:
             transport.reply(encode(Ack(session=st.session, version=st.version, receiver=self.receiver,
                                        num_entries=stats.entries, payload_bytes=stats.payload_bytes)), _left(end, timeout_s))
         except BaseException as exc:
-            self._fail(transport, st, exc, end)
+            self._fail(transport, st or self._starting, exc, end)
             raise
+        finally:
+            self._starting = None
         if commit:
             self.adapter.commit(st.version)
         stats.session, stats.version, stats.total_s = st.session, st.version, time.perf_counter() - t0
@@ -165,7 +168,7 @@ class BucketReceiver:
         msg = decode(header)
         if isinstance(msg, Begin):
             if st is None:
-                st = _SyncState(self.plan, msg)
+                st = self._starting = _SyncState(self.plan, msg)
                 st.check_begin(msg)
                 self.adapter.begin_update(msg.version, list(dict.fromkeys(e.name for e in st.plan.entries)))
             else:

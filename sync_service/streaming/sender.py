@@ -191,8 +191,8 @@ class _SendWorker:
         msg = decode(raw)
         if not isinstance(msg, (Ack, Error)):
             raise ProtocolError("reply", f"expected an ack or error, got {type(msg).__name__}")
-        if (msg.session, msg.version) != (self.session, self.version):
-            return  # a late reply to an earlier sync
+        if (msg.session, msg.version) != (self.session, self.version) and not (isinstance(msg, Error) and not msg.session):
+            return  # a late reply to an earlier sync (an error without session: receiver failed at begin)
         if isinstance(msg, Error):
             raise RemoteSyncError(msg.receiver, msg.field, msg.message)
         self.acked.add(msg.receiver)
