@@ -1,4 +1,5 @@
-"""Trainer-side sharding as training frameworks shard: expert parallel, tensor parallel, FSDP.
+"""Trainer-side sharding as training frameworks shard: expert parallel, tensor parallel, FSDP
+(``fsdp.fsdp_base`` over DTensor dim-0 shards; imported on demand).
 
 ``ShardSpec`` + ``rules.py`` say which global boxes a rank holds; ``ShardedBase`` serves global
 boxes from the rank's local tensors (a ``BaseProvider``); ``factors.py`` all-gathers LoRA factors
