@@ -138,3 +138,40 @@ def test_merge_nested_target_parameters_go_to_their_params():
     out = merged("qwen3_moe", base, config, sd)
     assert torch.equal(out[DOWN], torch.ones(num_experts, h, i))
     assert not torch.equal(out[GU], torch.zeros_like(out[GU]))
+
+
+def test_merge_dora_rows_rescaled_box_within_budget():
+    torch.manual_seed(6)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    w = torch.randn(6, 8)
+    a, b, mag = torch.randn(2, 8), torch.randn(6, 2), torch.rand(6) + 0.5
+    config = LoraConfig(r=2, lora_alpha=4, use_dora=True, target_modules=["q_proj"])
+    sd = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": a,
+          "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": b,
+          "base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector": mag}
+    provider = TensorDictBase({name: w})
+    adapter = adapter_from_state_dict(config, sd, LAYOUTS["qwen3_moe"], provider.metas())
+    source = MergedSource(provider, adapter, config=MergeConfig(staging_bytes=16))  # 4 fp32: rows cut in pieces
+    merged_w = w + 2.0 * b @ a
+    expected = (mag / merged_w.norm(dim=1)).unsqueeze(1) * merged_w
+    box = ((1, 5), (3, 7))
+    out = torch.empty(4, 4)
+    source.fill(name, box, out)
+    torch.testing.assert_close(out, expected[1:5, 3:7])
+    assert source.peak_staging_bytes <= 16
+
+
+def test_merge_tied_lm_head_lora_lands_on_embeddings():
+    torch.manual_seed(7)
+    emb = torch.randn(16, 4)
+    state = {"model.embed_tokens.weight": emb, "lm_head.weight": emb}  # tied: one storage
+    provider = TensorDictBase(state)
+    assert [m.name for m in provider.metas()] == ["model.embed_tokens.weight"]
+    a, b = torch.randn(1, 4), torch.randn(16, 1)
+    config = LoraConfig(r=1, lora_alpha=1, target_modules=["lm_head"])
+    sd = {"base_model.model.lm_head.lora_A.weight": a, "base_model.model.lm_head.lora_B.weight": b}
+    adapter = adapter_from_state_dict(config, sd, LAYOUTS["qwen3_moe"], provider.metas(), tied_aliases=provider.tied_aliases)
+    source = MergedSource(provider, adapter, config=MergeConfig(), layout=LAYOUTS["qwen3_moe"])
+    out = dict(source.iter_tensors("hf"))
+    assert list(out) == ["model.embed_tokens.weight"]
+    torch.testing.assert_close(out["model.embed_tokens.weight"], emb + b @ a)
