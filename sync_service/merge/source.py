@@ -74,7 +74,10 @@ class MergedSource:
             owned = [ParamMeta(m.name, config.out_dtype or m.dtype, m.shape) for m in self._base_metas.values()]
         self._owned = list(owned)
         self._boxes: dict[str, list[Box]] = {}
+        self._dtypes: dict[str, str] = {}
         for meta in self._owned:
+            if not hasattr(torch, meta.dtype) or self._dtypes.setdefault(meta.name, meta.dtype) != meta.dtype:
+                raise MergeError(f"owned boxes of {meta.name} need one torch dtype name, got {meta.dtype!r}")
             if meta.name not in self._base_metas:
                 raise MergeError(f"owned box names {meta.name}, which is not a base tensor")
             self._boxes.setdefault(meta.name, []).append(meta.covered_box())
@@ -92,7 +95,8 @@ class MergedSource:
         return self.adapter.changed_names() & frozenset(self._boxes)
 
     def out_dtype(self, name: str) -> torch.dtype:
-        return getattr(torch, self.config.out_dtype or self._base_metas[name].dtype)
+        """The dtype ``fill`` writes for ``name``: the owned meta's (default: ``out_dtype`` or the base's)."""
+        return getattr(torch, self._dtypes[name])
 
     def fill(self, name: str, box: Box, out: torch.Tensor) -> None:
         """Write the merged values of ``box`` of ``name`` into ``out`` (shape ``box_shape(box)``).
