@@ -1,0 +1,216 @@
+"""``VLLMEngine``: a vLLM ``LLM`` as a weightsync rollout engine (implements ``EngineAdapter``).
+
+Parameter table: the checkpoint tensors the engine was started from, in the ``hf`` naming (the keys
+``save_pretrained`` writes: per-expert ``mlp.experts.N.gate_proj.weight``, separate ``q/k/v_proj``),
+with the engine's dtype — exactly what vLLM's own ``load_weights`` consumes, so received tensors go
+through vLLM's loaders (stacking, expert mapping, TP sharding) unchanged. Names the model ignores
+are left out.
+
+One sync: ``begin_update`` → ``apply`` × n copy into staging inside the worker (served weights
+untouched) → ``finish_update`` reloads every vLLM module a received tensor feeds, with its post-load
+processing, once → ``commit`` makes the version current and resets the prefix cache. The served
+weights change only inside ``finish_update``; from there to ``commit`` / ``abort`` generation is
+held (``ServeGate``), so every generation result carries the one version that produced it.
+See ``docs/vllm.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from protocols.interfaces import PauseMode
+from protocols.params import Box, ParamMeta
+from sync_service.engines.hf import GenerateResult
+from sync_service.engines.vllm.config import VLLMEngineConfig
+from sync_service.engines.vllm.gate import ServeGate
+from sync_service.engines.vllm.worker import WORKER_EXTENSION
+
+__all__ = ["VLLMEngine", "VLLMGeneration"]
+
+
+@dataclass(frozen=True, slots=True)
+class VLLMGeneration:
+    """One prompt's greedy continuation.
+
+    Attributes:
+        tokens: generated token ids (prompt excluded).
+        logprobs: log-probability of each generated token (natural log), same length as ``tokens``.
+        num_cached_tokens: prompt tokens served from the prefix cache.
+        weight_version: the committed version that produced every token; ``None`` before any sync.
+    """
+
+    tokens: list[int]
+    logprobs: list[float]
+    num_cached_tokens: int
+    weight_version: int | None
+
+
+class VLLMEngine:
+    """``EngineAdapter`` over ``vllm.LLM`` (see the module docstring).
+
+    Thread safety: generations may run on other threads than the update calls (a threaded Ray
+    actor); they are serialised among themselves. The calls of one sync come from one thread.
+
+    Raises (constructor):
+        ImportError: vLLM is not installed (``scripts/setup-vllm.sh``).
+        ValueError: the model's loader rejects a checkpoint tensor.
+    """
+
+    def __init__(self, config: VLLMEngineConfig) -> None:
+        from vllm import LLM
+
+        self._config = config
+        kwargs = dict(config.engine_kwargs)
+        if config.block_size is not None:
+            kwargs["block_size"] = config.block_size
+        self._llm = LLM(
+            model=str(config.model_dir),
+            dtype=config.dtype,
+            max_model_len=config.max_model_len,
+            kv_cache_memory_bytes=config.kv_cache_bytes,
+            enable_prefix_caching=config.enable_prefix_caching,
+            enforce_eager=config.enforce_eager,
+            seed=config.seed,
+            worker_extension_cls=WORKER_EXTENSION,
+            **kwargs,
+        )
+        table = self._rpc("ws_init")
+        self._metas = tuple(ParamMeta(name, dtype, tuple(shape)) for name, dtype, shape in table)
+        self._gate = ServeGate(config.pause_timeout_s)
+        self._version: int | None = None
+        self._pending: int | None = None
+        self._finished = False
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str, **config: object) -> "VLLMEngine":
+        return cls(VLLMEngineConfig(model_dir=str(model_dir), **config))
+
+    # -- table and state -------------------------------------------------------------------
+    def param_metas(self) -> Sequence[ParamMeta]:
+        return self._metas
+
+    def weight_version(self) -> int | None:
+        return self._version
+
+    # -- update lifecycle ------------------------------------------------------------------
+    def begin_update(self, version: int, names: Sequence[str]) -> None:
+        """Stage buffers for ``names`` in the worker; with ``PauseMode.WAIT`` also hold generation.
+
+        Raises:
+            RuntimeError: an update is already in progress.
+            KeyError: a name is not in the table (nothing staged).
+            TimeoutError: ``WAIT`` and running generations did not finish in time.
+        """
+        if self._pending is not None:
+            raise RuntimeError(f"begin_update({version}) while version {self._pending} is in progress; commit or abort it first")
+        self._rpc("ws_begin", version, list(names))
+        self._pending, self._finished = version, False
+        if self._config.pause_mode is PauseMode.WAIT:
+            try:
+                self._gate.close()
+            except BaseException:
+                self.abort()
+                raise
+
+    def apply(self, name: str, box: Box, data: torch.Tensor) -> None:
+        """Copy ``data`` into ``box`` of ``name`` in the worker's staging (served weights untouched).
+
+        Raises:
+            KeyError: ``name`` not announced; ValueError: wrong box or shape.
+        """
+        self._rpc("ws_apply", name, box, data)
+
+    def finish_update(self) -> dict:
+        """Hold generation, then reload and post-process every vLLM module the update touched.
+
+        Returns the worker's ``{"modules", "tensors", "seconds"}``.
+
+        Raises:
+            ValueError: a tensor was not covered completely (the update is aborted).
+            TimeoutError: running generations did not finish in time (served weights untouched).
+        """
+        if self._pending is None or self._finished:
+            raise RuntimeError("finish_update needs exactly one begin_update before it")
+        self._gate.close()
+        try:
+            stats = self._rpc("ws_finish")
+        except BaseException:
+            self.abort()
+            raise
+        self._finished = True
+        return stats
+
+    def commit(self, version: int) -> None:
+        """Make ``version`` current, drop prefix caches computed under the old one, reopen generation."""
+        if self._pending != version:
+            raise RuntimeError(f"commit({version}) but the update in progress is {self._pending}")
+        if not self._finished:
+            raise RuntimeError(f"commit({version}) before finish_update")
+        self._rpc("ws_commit", version)
+        self.reset_caches()
+        self._version, self._pending, self._finished = version, None, False
+        self._gate.open()
+
+    def abort(self) -> None:
+        """Drop the update; if ``finish_update`` already rewrote modules, reload the served version. Idempotent."""
+        try:
+            if self._rpc("ws_abort"):
+                self.reset_caches()
+        finally:
+            self._pending, self._finished = None, False
+            self._gate.open()
+
+    def reset_caches(self) -> None:
+        """Drop vLLM's prefix cache (KV blocks computed under an older version).
+
+        Raises:
+            RuntimeError: vLLM refused (requests running; cannot happen while the gate is closed).
+        """
+        if not self._llm.reset_prefix_cache():
+            raise RuntimeError("vLLM did not reset its prefix cache (requests still running)")
+
+    # -- serving ---------------------------------------------------------------------------
+    def generate_batch(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, logprobs: bool = True
+    ) -> list[VLLMGeneration]:
+        """Greedy decoding of token-id prompts in one vLLM batch; one weight version for all of them.
+
+        Raises:
+            ValueError: an empty prompt or ``max_new_tokens < 1``.
+            TimeoutError: an update held generation longer than ``pause_timeout_s``.
+        """
+        from vllm import SamplingParams
+
+        if not prompts or any(len(p) == 0 for p in prompts) or max_new_tokens < 1:
+            raise ValueError(f"need non-empty prompts and max_new_tokens >= 1, got {len(prompts)} prompts / {max_new_tokens}")
+        params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, logprobs=0 if logprobs else None)
+        with self._gate.serving():
+            version = self._version
+            outs = self._llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        return [_generation(o, version) for o in outs]
+
+    def generate(self, prompt_token_ids: Sequence[int], max_new_tokens: int) -> GenerateResult:
+        """Greedy tokens of one prompt (the ``HFEngine.generate`` signature)."""
+        g = self.generate_batch([prompt_token_ids], max_new_tokens, logprobs=False)[0]
+        return GenerateResult(tokens=g.tokens, weight_version=g.weight_version)
+
+    def shutdown(self) -> None:
+        """Stop vLLM's engine core (frees its memory; the object is unusable afterwards)."""
+        self._llm.llm_engine.engine_core.shutdown()
+
+    # -- internals -------------------------------------------------------------------------
+    def _rpc(self, method: str, *args: object) -> object:
+        results = self._llm.collective_rpc(method, timeout=self._config.rpc_timeout_s, args=args)
+        return results[0]
+
+
+def _generation(out: object, version: int | None) -> VLLMGeneration:
+    completion = out.outputs[0]
+    tokens = list(completion.token_ids)
+    logprobs = [lp[t].logprob for t, lp in zip(tokens, completion.logprobs)] if completion.logprobs else []
+    return VLLMGeneration(
+        tokens=tokens, logprobs=logprobs, num_cached_tokens=int(out.num_cached_tokens or 0), weight_version=version
+    )

@@ -1,0 +1,171 @@
+"""Checkpoint-format copies of an engine's weights, kept inside the vLLM worker.
+
+Why a store: vLLM's post-load processing turns checkpoint tensors into kernel layouts and often
+drops the originals (on CPU, dense ``weight`` becomes an empty placeholder behind a oneDNN / packed
+handle; ``w13_weight`` / ``w2_weight`` are prepacked in place). Re-running the processing for one
+vLLM module needs *every* checkpoint tensor that feeds it (``q_proj`` alone cannot rebuild
+``qkv_proj``), so the values a sync did not send come from here: the last committed value of a name
+a sync has sent, else the checkpoint file the engine was started from (read lazily, never cached).
+
+Per sync: ``begin`` takes one staging buffer per announced name (buffers of earlier syncs are
+reused), ``apply`` copies boxes into staging, ``commit`` makes staging the committed copy, ``drop``
+discards it. Memory: one staging buffer per name of the running sync, plus one committed copy per
+name any sync has sent (a full sync holds a checkpoint-sized copy in host memory).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from protocols.params import Box, ParamMeta, box_numel, box_shape
+from sync_service.merge.base import layer_order_key, wire_dtype
+
+__all__ = ["CheckpointStore", "checkpoint_files"]
+
+
+def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
+    """Tensor name → safetensors file, for a single-file or sharded (``*.index.json``) checkpoint.
+
+    Raises:
+        FileNotFoundError: no ``*.safetensors`` file in ``model_dir``.
+    """
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: model_dir / file for name, file in weight_map.items()}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors checkpoint in {str(model_dir)!r}; pass the dir the engine was started from")
+    out: dict[str, Path] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            out.update(dict.fromkeys(f.keys(), file))
+    return out
+
+
+class _Staged:
+    __slots__ = ("buffer", "applied")
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.buffer = buffer
+        self.applied = 0
+
+
+class CheckpointStore:
+    """Committed and staged checkpoint-format tensors of one engine (see the module docstring).
+
+    Args:
+        model_dir: the checkpoint the engine was started from.
+        dtype: the engine's parameter dtype; the table reports it and staging buffers use it.
+    """
+
+    def __init__(self, model_dir: str | Path, dtype: torch.dtype) -> None:
+        self._files = checkpoint_files(model_dir)
+        self._dtype = dtype
+        shapes: dict[str, tuple[int, ...]] = {}
+        for file in sorted(set(self._files.values())):
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    shapes[name] = tuple(f.get_slice(name).get_shape())
+        order = sorted(shapes, key=lambda n: (layer_order_key(n), n))
+        self._shapes = {n: shapes[n] for n in order}
+        self._committed: dict[str, torch.Tensor] = {}
+        self._staged: dict[str, _Staged] = {}
+        self._spare: dict[str, torch.Tensor] = {}
+
+    # -- table -----------------------------------------------------------------------------
+    def metas(self, names: Iterable[str] | None = None) -> list[ParamMeta]:
+        """Whole tensors in checkpoint order, engine dtype; restricted to ``names`` when given."""
+        keep = None if names is None else set(names)
+        return [ParamMeta(n, wire_dtype(self._dtype), s) for n, s in self._shapes.items() if keep is None or n in keep]
+
+    def staged_names(self) -> list[str]:
+        return list(self._staged)
+
+    # -- one sync --------------------------------------------------------------------------
+    def begin(self, names: Sequence[str], known: frozenset[str]) -> None:
+        """Take a staging buffer per name (duplicates ignored).
+
+        Raises:
+            KeyError: a name is not in ``known`` (the engine's table); nothing is staged.
+        """
+        unknown = sorted(set(names) - known)
+        if unknown:
+            raise KeyError(
+                f"names not in the vLLM engine's parameter table (hf naming): {unknown[:5]} ({len(unknown)} in all); "
+                "send tensors under the keys save_pretrained writes"
+            )
+        self.drop()
+        for name in dict.fromkeys(names):
+            self._staged[name] = _Staged(self._buffer(name))
+
+    def apply(self, name: str, box: Box, data: torch.Tensor) -> None:
+        """Copy ``data`` into ``box`` of the staging buffer of ``name``.
+
+        Raises:
+            KeyError: ``name`` was not announced in ``begin``.
+            ValueError: the box leaves the tensor, or ``data`` does not have the box's shape.
+        """
+        staged = self._staged.get(name)
+        if staged is None:
+            raise KeyError(f"{name!r} was not announced in begin_update; announce every name a sync sends")
+        buf = staged.buffer
+        if len(box) != buf.dim() or any(not (0 <= a < b <= n) for (a, b), n in zip(box, buf.shape)):
+            raise ValueError(f"box {box} of {name!r} is outside its shape {tuple(buf.shape)}")
+        if tuple(data.shape) != box_shape(box):
+            raise ValueError(f"data for {name!r} box {box} has shape {tuple(data.shape)}, expected {box_shape(box)}")
+        buf[tuple(slice(a, b) for a, b in box)].copy_(data)
+        staged.applied += box_numel(box)
+
+    def check_complete(self) -> None:
+        """Raises ``ValueError`` naming the tensors whose applied elements differ from their size."""
+        bad = {n: (s.applied, s.buffer.numel()) for n, s in self._staged.items() if s.applied != s.buffer.numel()}
+        if bad:
+            detail = ", ".join(f"{n}: {a}/{t}" for n, (a, t) in list(bad.items())[:5])
+            raise ValueError(f"incomplete update, elements applied/expected: {detail} ({len(bad)} tensors)")
+
+    def values(self, names: Iterable[str], *, staged: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` in table order: staged values first (when ``staged``), else committed,
+        else the checkpoint file (its own dtype; vLLM's loader casts as on a fresh start)."""
+        wanted = set(names)
+        for name in self._shapes:
+            if name not in wanted:
+                continue
+            if staged and name in self._staged:
+                yield name, self._staged[name].buffer
+            elif name in self._committed:
+                yield name, self._committed[name]
+            else:
+                yield name, self._read_file(name)
+
+    def commit(self) -> None:
+        """Staged values become the committed copies; replaced copies are kept as spare buffers."""
+        for name, staged in self._staged.items():
+            old = self._committed.get(name)
+            if old is not None:
+                self._spare[name] = old
+            self._committed[name] = staged.buffer
+        self._staged = {}
+
+    def drop(self) -> None:
+        """Discard staging (buffers are kept for the next sync). Idempotent."""
+        for name, staged in self._staged.items():
+            self._spare[name] = staged.buffer
+        self._staged = {}
+
+    # -- internals -------------------------------------------------------------------------
+    def _buffer(self, name: str) -> torch.Tensor:
+        spare = self._spare.pop(name, None)
+        if spare is not None:
+            return spare
+        return torch.empty(self._shapes[name], dtype=self._dtype)
+
+    def _read_file(self, name: str) -> torch.Tensor:
+        with safe_open(str(self._files[name]), framework="pt") as f:
+            return f.get_tensor(name)
