@@ -31,6 +31,7 @@ from typing import Any
 import msgpack
 
 from protocols.params import DTYPE_BYTES, Box
+from protocols.recipe import Recipe, recipe_list
 
 SCHEMA_VERSION = 1
 MAX_HEADER_BYTES = 8 << 20
@@ -42,8 +43,9 @@ MAX_NDIM = 16
 MAX_PEERS = 1 << 16
 U64_MAX = (1 << 64) - 1
 I63_MAX = (1 << 63) - 1
-ENTRY_KINDS = frozenset({"tensor"})
-"""Known entry kinds. Reserved for later: a merge recipe (LoRA factors merged on the receiver)."""
+ENTRY_KINDS = frozenset({"tensor", "recipe"})
+"""Known entry kinds: ``"tensor"`` (raw values of a box) and ``"recipe"`` (the LoRA factors of one
+term block, merged on the receiver; see ``protocols.recipe``)."""
 ALIGN_BYTES = 64
 """Every entry starts at a multiple of this offset in its bucket (any dtype view is aligned)."""
 
@@ -76,7 +78,9 @@ class PlanEntry:
         bucket: bucket index within that sender's stream of this plan (= sequence number).
         offset: byte offset in the bucket payload, a multiple of ``ALIGN_BYTES``.
         nbytes: ``box numel * dtype size``.
-        kind: ``"tensor"`` (raw values); reserved for future entry kinds.
+        kind: ``"tensor"`` (raw values) or ``"recipe"`` (LoRA factors, see ``protocols.recipe``:
+            ``name`` is the recipe's entry name, ``shape``/``box`` the flat factor elements).
+        recipe: the merge recipe of a ``"recipe"`` entry, ``None`` for a tensor.
     """
 
     name: str
@@ -88,6 +92,7 @@ class PlanEntry:
     offset: int
     nbytes: int
     kind: str = "tensor"
+    recipe: Recipe | None = None
 
     @property
     def key(self) -> tuple[str, Box]:
@@ -199,8 +204,9 @@ Message = SyncPlan | BucketHeader | Begin | Commit | Abort | Ack | Error
 # ----------------------------------------------------------------------------- encoding
 
 def _entry_list(e: PlanEntry) -> list:
-    return [e.kind, e.name, e.dtype, list(e.shape), [list(b) for b in e.box], e.sender, e.bucket,
+    body = [e.kind, e.name, e.dtype, list(e.shape), [list(b) for b in e.box], e.sender, e.bucket,
             e.offset, e.nbytes]
+    return body if e.recipe is None else body + [recipe_list(e.recipe)]
 
 
 def _header_body(h: BucketHeader) -> list:

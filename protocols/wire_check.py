@@ -54,9 +54,14 @@ def _shape_box(shape_raw: Any, box_raw: Any, field: str) -> tuple[tuple[int, ...
 
 
 def check_entry(raw: Any, field: str) -> PlanEntry:
-    kind, name, dtype, shape_raw, box_raw, sender, bucket, offset, nbytes = _list(raw, field, 9)
+    items = _list(raw, field)
+    kind = items[0] if items else None
     if type(kind) is not str or kind not in ENTRY_KINDS:
         raise ProtocolError(f"{field}.kind", f"unknown entry kind {kind!r}; known: {sorted(ENTRY_KINDS)}")
+    if len(items) != (10 if kind == "recipe" else 9):
+        raise ProtocolError(f"{field}.kind" if len(items) in (9, 10) else field,
+                            f"a {kind!r} entry has {10 if kind == 'recipe' else 9} items, got {len(items)}")
+    _, name, dtype, shape_raw, box_raw, sender, bucket, offset, nbytes = items[:9]
     name = _str(name, f"{field}.name", MAX_NAME_CHARS)
     if type(dtype) is not str or dtype not in DTYPE_BYTES:
         raise ProtocolError(f"{field}.dtype", f"unknown dtype {dtype!r}; known: {sorted(DTYPE_BYTES)}")
@@ -67,9 +72,14 @@ def check_entry(raw: Any, field: str) -> PlanEntry:
     nbytes = _int(nbytes, f"{field}.nbytes")
     if nbytes != box_nbytes(box, dtype):
         raise ProtocolError(f"{field}.nbytes", f"{nbytes} != box {box} of {dtype} = {box_nbytes(box, dtype)}")
+    recipe = None
+    if kind == "recipe":
+        from protocols.recipe_check import check_recipe
+
+        recipe = check_recipe(items[9], f"{field}.recipe", name=name, dtype=dtype, shape=shape, box=box)
     return PlanEntry(name=name, dtype=dtype, shape=shape, box=box,
                      sender=_int(sender, f"{field}.sender", 0, MAX_PEERS - 1),
-                     bucket=_int(bucket, f"{field}.bucket"), offset=offset, nbytes=nbytes, kind=kind)
+                     bucket=_int(bucket, f"{field}.bucket"), offset=offset, nbytes=nbytes, kind=kind, recipe=recipe)
 
 
 def check_entries(raw: Any, field: str, capacity: int) -> tuple[PlanEntry, ...]:

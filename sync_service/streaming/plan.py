@@ -46,15 +46,17 @@ def _align(n: int) -> int:
     return -(-n // ALIGN_BYTES) * ALIGN_BYTES
 
 
-def _pack(pieces: Iterable[tuple[str, str, tuple[int, ...], Box]], sender: int, cap: int) -> list[PlanEntry]:
+def _pack(pieces: Iterable[tuple], sender: int, cap: int) -> list[PlanEntry]:
+    """Greedy packing of ``(name, dtype, shape, box[, kind, recipe])`` pieces (recipes are kept)."""
     entries, bucket, offset = [], 0, 0
-    for name, dtype, shape, box in pieces:
+    for name, dtype, shape, box, *extra in pieces:
+        kind, recipe = extra if extra else ("tensor", None)
         nbytes = box_numel(box) * DTYPE_BYTES[dtype]
         offset = _align(offset)
         if offset + nbytes > cap and offset > 0:
             bucket, offset = bucket + 1, 0
         entries.append(PlanEntry(name=name, dtype=dtype, shape=tuple(shape), box=box, sender=sender,
-                                 bucket=bucket, offset=offset, nbytes=nbytes))
+                                 bucket=bucket, offset=offset, nbytes=nbytes, kind=kind, recipe=recipe))
         offset += nbytes
     return entries
 
@@ -124,7 +126,8 @@ def subset_plan(plan: SyncPlan, names: frozenset[str] | None) -> SyncPlan:
         raise KeyError(f"names not in the plan: {sorted(missing)[:5]} ({len(missing)} in all)")
     entries: list[PlanEntry] = []
     for sender in senders(plan):
-        pieces = [(e.name, e.dtype, e.shape, e.box) for e in plan.entries if e.sender == sender and e.name in names]
+        pieces = [(e.name, e.dtype, e.shape, e.box, e.kind, e.recipe) for e in plan.entries
+                  if e.sender == sender and e.name in names]
         entries.extend(_pack(pieces, sender, plan.bucket_bytes))
     return SyncPlan(bucket_bytes=plan.bucket_bytes, entries=tuple(entries), session=plan.session, version=plan.version)
 
