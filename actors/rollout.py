@@ -59,8 +59,9 @@ class RolloutEngine:
     def weight_version(self) -> int | None:
         return self.engine.weight_version()
 
-    def open_transport(self, spec_bytes: bytes, plan_bytes: bytes, receiver: int) -> None:
-        """Open the receiver side of a channel for the combined plan. Blocks until peers connect."""
+    def open_transport(self, spec_bytes: bytes, plan_bytes: bytes, receiver: int, *, secret: bytes | None = None) -> None:
+        """Open the receiver side of a channel for the combined plan. Blocks until peers connect.
+        ``secret``: the session's HMAC key; a bucket without a valid mac is refused, nothing applied."""
         from sync_service.streaming.receiver import BucketReceiver
         from sync_service.transports import TransportSpec, open_receiver
 
@@ -69,7 +70,7 @@ class RolloutEngine:
         if not isinstance(plan, SyncPlan):
             raise ValueError(f"open_transport: plan_bytes decode to {type(plan).__name__}, not a SyncPlan")
         self._transport = open_receiver(TransportSpec.from_bytes(spec_bytes), receiver=receiver)
-        self._receiver = BucketReceiver(self.engine, plan, receiver=receiver)
+        self._receiver = BucketReceiver(self.engine, plan, receiver=receiver, secret=secret)
 
     def close_transport(self) -> None:
         if self._transport is not None:

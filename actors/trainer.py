@@ -106,8 +106,10 @@ class TrainerShard:
         """The global boxes this rank produces, as ``[name, dtype, shape, box]`` lists."""
         return [meta_to_list(m) for m in self._state().owned()]
 
-    def open_transport(self, spec_bytes: bytes, plan_bytes: bytes, bucket_buffers: int = 2) -> None:
-        """Open the sender side of a channel and keep the (combined) plan. Blocks until peers connect."""
+    def open_transport(self, spec_bytes: bytes, plan_bytes: bytes, bucket_buffers: int = 2, *,
+                       secret: bytes | None = None) -> None:
+        """Open the sender side of a channel and keep the (combined) plan. Blocks until peers connect.
+        ``secret``: the session's HMAC key; every bucket header is sealed with it (engines verify)."""
         from sync_service.streaming.pool import BucketPool
         from sync_service.streaming.sender import Sender
         from sync_service.transports import TransportSpec, open_sender
@@ -119,7 +121,8 @@ class TrainerShard:
         spec = TransportSpec.from_bytes(spec_bytes)
         self._plan = plan
         self._sender = Sender(open_sender(spec, sender=self.spec.rank),
-                              BucketPool(bucket_bytes=plan.bucket_bytes, num_buffers=bucket_buffers), sender=self.spec.rank)
+                              BucketPool(bucket_bytes=plan.bucket_bytes, num_buffers=bucket_buffers), sender=self.spec.rank,
+                              secret=secret)
 
     def close_transport(self) -> None:
         if self._sender is not None:
@@ -155,8 +158,11 @@ class TrainerShard:
         changed = self._state().snapshot(version)
         return None if changed is None else sorted(changed)
 
-    def send(self, session: str, version: int, names: list[str] | None, timeout_s: float) -> dict:
+    def send(self, session: str, version: int, names: list[str] | None, timeout_s: float, *,
+             check_finite: bool = False) -> dict:
         """Gather factors, merge and stream this rank's part of ``version``; blocks until every engine acked.
+        ``check_finite``: a merged NaN/Inf fails the sync with ``MergeError`` naming the tensor (the
+        engines are told to abort before anything is committed).
 
         Returns seconds per stage (``gather_s``, ``merge_s``, ``pack_s``, ``transfer_s``, ``ack_wait_s``,
         ``total_s``) and sizes (``payload_bytes``, ``buckets``, ``entries``).
@@ -166,6 +172,7 @@ class TrainerShard:
             raise RuntimeError("send before open_transport")
         t0 = time.perf_counter()
         try:
+            self._state().merge.check_finite = check_finite
             source = _TimedSource(self._state().source(version))
         except BaseException:
             self._state().drop_snapshot(version)

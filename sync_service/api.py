@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sync_service.coordinator import Coordinator, PlanMismatchError
 from sync_service.coordinator.metrics import EngineResult, SyncError, SyncMetrics
@@ -36,7 +36,11 @@ class SyncConfig:
     timeout_s: float = 120.0
     """Bound of every blocking step of a push (connect, send, receive, commit), seconds."""
     check_finite: bool = False
-    """Reserved: reject merged NaN/Inf (set ``MergeConfig.check_finite`` on the trainers)."""
+    """Refuse a version whose merged weights hold NaN/Inf: the trainers' ``MergeConfig.check_finite``
+    (one extra pass over each merged box); the push fails naming the tensor, nothing is applied."""
+    secret: bytes | None = field(default=None, repr=False)
+    """HMAC-SHA256 key authenticating every bucket (>= 16 bytes; see ``sync_service/security.py``);
+    ``None``: a fresh random one per WeightSync. Never printed (excluded from repr)."""
     delta: bool = True
     """After an engine's first full sync, send only the names the adapter changes."""
 
@@ -49,6 +53,10 @@ class SyncConfig:
             raise ValueError(f"SyncConfig.bucket_bytes={self.bucket_bytes} must be a positive multiple of 64")
         if self.timeout_s <= 0:
             raise ValueError(f"SyncConfig.timeout_s={self.timeout_s} must be > 0")
+        if self.secret is not None:
+            from sync_service.security import check_secret
+
+            check_secret(self.secret, "SyncConfig.secret")
 
 
 class PushHandle:

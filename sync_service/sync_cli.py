@@ -49,6 +49,10 @@ class RunConfig:
     """Where per-version adapters and merge outputs go (default: a temp dir, removed at the end)."""
     json_path: Path | None = None
     """Write the results as JSON here."""
+    check_finite: bool = True
+    """Refuse a version whose merged weights hold NaN/Inf (``SyncConfig.check_finite``)."""
+    secret: bytes | None = field(default=None, repr=False)
+    """HMAC key of every bucket (``SyncConfig.secret``); ``None``: a fresh random one."""
 
 
 @dataclass(slots=True)
@@ -109,7 +113,8 @@ def run_local(cfg: RunConfig) -> list[VersionRow]:
         engines = start_engines(cfg.base, cfg.engines, timeout_s=cfg.timeout_s)
         names = [ray.get(e.engine_name.remote()) for e in engines]
         sync = WeightSync(trainers=trainers, engines=engines, config=SyncConfig(
-            transport=cfg.transport, bucket_bytes=cfg.bucket_bytes, timeout_s=cfg.timeout_s))
+            transport=cfg.transport, bucket_bytes=cfg.bucket_bytes, timeout_s=cfg.timeout_s,
+            check_finite=cfg.check_finite, secret=cfg.secret))
         replay = AdapterReplay(cfg.adapter) if cfg.adapter is not None else None
         for v in range(cfg.versions):
             if v and replay is not None:
@@ -192,6 +197,11 @@ def write_json(path: Path, rows: list[VersionRow], extra: dict) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base", required=True, type=Path, help="base checkpoint directory")
     parser.add_argument("--adapter", type=Path, default=None, help="PEFT LoRA adapter directory (optional)")
+    parser.add_argument("--secret-file", type=Path, default=None,
+                        help="file holding the HMAC key that authenticates every bucket (>= 16 bytes, not group/"
+                             "world-writable; default: $WEIGHTSYNC_SECRET_FILE, else a fresh random key per run)")
+    parser.add_argument("--no-check-finite", dest="check_finite", action="store_false",
+                        help="do not refuse merged weights holding NaN/Inf (the check costs one pass per tensor)")
     add_common_arguments(parser, versions=1)
 
 
@@ -238,7 +248,14 @@ def run(args: argparse.Namespace) -> int:
     for what, path in (("--base", args.base), ("--adapter", args.adapter)):
         if path is not None and not path.is_dir():
             raise SystemExit(f"{what} {path}: not a directory")
+    from sync_service.security import resolve_secret
+
+    try:
+        secret = resolve_secret(args.secret_file)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"--secret-file: {exc}") from None
     cfg = RunConfig(base=args.base, adapter=args.adapter, ep=ep, tp=tp, engines=args.engines, versions=args.versions,
-                    transport=args.transport, bucket_bytes=args.bucket_bytes, timeout_s=args.timeout, json_path=args.json)
+                    transport=args.transport, bucket_bytes=args.bucket_bytes, timeout_s=args.timeout, json_path=args.json,
+                    check_finite=args.check_finite, secret=secret)
     return execute(cfg, {"base": str(args.base), "adapter": None if args.adapter is None else str(args.adapter)})
 

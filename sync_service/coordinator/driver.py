@@ -24,6 +24,7 @@ from actors.trainer import meta_from_list
 from protocols.wire import SyncPlan, encode
 from sync_service.coordinator.metrics import EngineResult, SyncError, SyncMetrics
 from sync_service.coordinator.planning import build_sync_plan, validate_plan
+from sync_service.security import new_secret
 from sync_service.transports import TransportSpec
 
 # SyncConfig.transport -> TransportSpec.kind
@@ -42,6 +43,7 @@ class Coordinator:
         self.names: list[str] = []
         self._full_done: set[str] = set()
         self._channel_id = uuid.uuid4().hex[:8]
+        self._secret = config.secret if config.secret is not None else new_secret()  # HMAC key of every bucket
         self._epoch = 0
         self._connected = False
         self._plan = self._build_plan()
@@ -110,7 +112,8 @@ class Coordinator:
         session = f"{self._channel_id}-{self._epoch}-v{version}"
         timeout = self.config.timeout_s
         recv = [e.receive.remote(timeout) for e in self.engines]
-        send = [t.send.remote(session, version, names, timeout) for t in self.trainers]
+        send = [t.send.remote(session, version, names, timeout, check_finite=self.config.check_finite)
+                for t in self.trainers]
         sent, send_errors = self._collect(send)
         received, recv_errors = self._collect(recv)
         ok = not any(send_errors) and not any(recv_errors)
@@ -156,8 +159,8 @@ class Coordinator:
                              bucket_bytes=self._plan.bucket_bytes, connect_timeout_s=self.config.timeout_s,
                              op_timeout_s=self.config.timeout_s)
         raw = spec.to_bytes()
-        refs = [t.open_transport.remote(raw, self._plan_bytes) for t in self.trainers]
-        refs += [e.open_transport.remote(raw, self._plan_bytes, i) for i, e in enumerate(self.engines)]
+        refs = [t.open_transport.remote(raw, self._plan_bytes, secret=self._secret) for t in self.trainers]
+        refs += [e.open_transport.remote(raw, self._plan_bytes, i, secret=self._secret) for i, e in enumerate(self.engines)]
         self._get(refs, "open_transport")
         self._connected = True
 

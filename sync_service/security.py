@@ -1,0 +1,97 @@
+"""The per-session secret that authenticates every bucket of a weight sync.
+
+Every ``BucketHeader`` a trainer shard sends carries ``mac`` = HMAC-SHA256(secret, header without
+mac) (``protocols.wire.seal``; the header includes the payload's xxh3_64 checksum, so the mac covers
+the payload too). A rollout engine built with the same secret refuses any bucket whose mac is
+missing or wrong (``ProtocolError("header.mac")``) before a byte of it is applied: a process
+without the secret cannot get a bucket applied, even if it can write into the transport.
+
+Where the secret comes from (entry points only; nothing deeper reads files or the environment):
+
+- ``WeightSync`` generates one per instance by default (``new_secret``), or takes
+  ``SyncConfig.secret``; it hands the secret to every trainer shard and engine when it opens a
+  channel (a Ray actor call: the control plane between our own actors, inside the trusted cluster).
+- ``weightsync sync --secret-file PATH`` (or ``$WEIGHTSYNC_SECRET_FILE``) reads one with
+  ``read_secret_file``, e.g. one shared by processes started by other launchers.
+
+The secret is never logged: ``fingerprint`` gives a short, non-reversible id to compare two sides.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import stat
+from collections.abc import Mapping
+from pathlib import Path
+
+__all__ = ["MIN_SECRET_BYTES", "SECRET_BYTES", "SECRET_FILE_ENV", "check_secret", "fingerprint", "new_secret",
+           "read_secret_file", "resolve_secret"]
+
+SECRET_BYTES = 32
+"""Size of a generated secret, bytes (RFC 2104 §3: at least the hash output length, 32 for SHA-256)."""
+MIN_SECRET_BYTES = 16
+"""Shortest secret accepted, bytes (128 bits)."""
+MAX_SECRET_BYTES = 4096
+"""Longest secret file accepted, bytes."""
+SECRET_FILE_ENV = "WEIGHTSYNC_SECRET_FILE"
+"""Environment variable naming a secret file (read by ``resolve_secret`` at entry points)."""
+
+
+def new_secret() -> bytes:
+    """A fresh random secret of ``SECRET_BYTES`` bytes from the OS CSPRNG (``secrets.token_bytes``)."""
+    return secrets.token_bytes(SECRET_BYTES)
+
+
+def check_secret(secret: object, what: str = "secret") -> bytes:
+    """Return ``secret`` if it is ``bytes`` of at least ``MIN_SECRET_BYTES``.
+
+    Raises:
+        TypeError: not bytes. ValueError: too short.
+    """
+    if not isinstance(secret, bytes):
+        raise TypeError(f"{what} must be bytes, got {type(secret).__name__}; use sync_service.security.new_secret()")
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"{what} has {len(secret)} bytes, need >= {MIN_SECRET_BYTES}; "
+                         f"generate one with `head -c {SECRET_BYTES} /dev/urandom > secret`")
+    return secret
+
+
+def read_secret_file(path: str | Path) -> bytes:
+    """The secret stored in ``path``: its bytes with surrounding ASCII whitespace stripped (a
+    trailing newline from ``echo`` does not count).
+
+    Raises:
+        FileNotFoundError: no such file.
+        PermissionError: the file is writable by group or others (anyone could replace the key).
+        ValueError: shorter than ``MIN_SECRET_BYTES`` or longer than ``MAX_SECRET_BYTES`` (not a key file).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"secret file {str(path)!r} does not exist (or is not a file)")
+    mode = path.stat().st_mode
+    if mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise PermissionError(f"secret file {str(path)!r} is writable by group/others (mode {stat.filemode(mode)}); "
+                              f"run `chmod 600 {path}`")
+    if path.stat().st_size > MAX_SECRET_BYTES:
+        raise ValueError(f"secret file {str(path)!r} has {path.stat().st_size} bytes > {MAX_SECRET_BYTES}: not a key file")
+    return check_secret(path.read_bytes().strip(), f"secret file {str(path)!r}")
+
+
+def resolve_secret(secret_file: str | Path | None, environ: Mapping[str, str] | None = None) -> bytes | None:
+    """Entry-point helper: the secret of ``secret_file``, else of ``environ[SECRET_FILE_ENV]``, else
+    ``None`` (the caller then generates one). ``environ`` defaults to ``os.environ``.
+
+    Raises:
+        as ``read_secret_file``.
+    """
+    env = os.environ if environ is None else environ
+    path = secret_file if secret_file is not None else env.get(SECRET_FILE_ENV) or None
+    return None if path is None else read_secret_file(path)
+
+
+def fingerprint(secret: bytes) -> str:
+    """First 12 hex digits of SHA-256 over a domain tag and the secret: safe to log, to check that
+    two processes hold the same secret."""
+    return hashlib.sha256(b"weightsync-secret-fingerprint\0" + secret).hexdigest()[:12]
