@@ -98,6 +98,47 @@ class RolloutEngine:
         r = self.engine.generate(prompt_token_ids, max_new_tokens)
         return r.tokens, r.weight_version
 
+    def sample(self, prompt_token_ids: list[int], max_new_tokens: int, num_samples: int, temperature: float,
+               seed: int) -> tuple[list[list[int]], int | None]:
+        """``num_samples`` sampled continuations (see ``HFEngine.sample``) and the weight version that
+        produced them all."""
+        r = self.engine.sample(prompt_token_ids, max_new_tokens, num_samples=num_samples, temperature=temperature,
+                               seed=seed)
+        return r.tokens, r.weight_version
+
+    def can_export(self) -> bool:
+        """Whether this engine can stream its served weights to a peer (``send_weights``)."""
+        return callable(getattr(self.engine, "export_tensors", None))
+
+    def send_weights(self, spec_bytes: bytes, plan_bytes: bytes, session: str, version: int, timeout_s: float, *,
+                     secret: bytes | None = None) -> dict:
+        """Stream the served weights of ``version`` to a late-joining engine over a channel of its own
+        (this engine is sender 0 of ``plan``); blocks until the joiner acked. Generation goes on meanwhile;
+        the caller holds off syncs to this engine until it returns. Returns ``payload_bytes``, ``buckets``,
+        ``seconds``.
+
+        Raises:
+            RuntimeError: this engine does not serve ``version`` or cannot export its weights.
+        """
+        from sync_service.streaming.pool import BucketPool
+        from sync_service.streaming.sender import Sender
+        from sync_service.streaming.tensor_source import TensorSource
+        from sync_service.transports import TransportSpec, open_sender
+
+        if not self.can_export() or self.engine.weight_version() != version:
+            raise RuntimeError(f"{self.name}: cannot send version {version} (serves {self.engine.weight_version()}, "
+                               f"export supported: {self.can_export()})")
+        plan = decode(plan_bytes)
+        if not isinstance(plan, SyncPlan):
+            raise ValueError(f"send_weights: plan_bytes decode to {type(plan).__name__}, not a SyncPlan")
+        transport = open_sender(TransportSpec.from_bytes(spec_bytes), sender=0)
+        try:
+            sender = Sender(transport, BucketPool(bucket_bytes=plan.bucket_bytes, num_buffers=2), sender=0, secret=secret)
+            stats = sender.send_sync(session, version, TensorSource(self.engine.export_tensors()), plan, timeout_s=timeout_s)
+        finally:
+            transport.close()
+        return {"payload_bytes": stats.payload_bytes, "buckets": stats.buckets, "seconds": stats.total_s}
+
     def state(self, names: list[str] | None = None) -> dict[str, np.ndarray]:
         """Served parameter values (copies) as fp32-or-native numpy arrays, for verification."""
         sd = self.engine.state_dict()

@@ -51,9 +51,12 @@ class _TimedSource:
         self.fill_s += time.perf_counter() - t0
 
 
-@ray.remote(num_cpus=0, max_concurrency=2)
-class TrainerShard:
-    """One trainer rank. ``rank = ep_rank · tp + tp_rank``; ``world = ep · tp`` ranks in all."""
+class TrainerShardCore:
+    """One trainer rank. ``rank = ep_rank · tp + tp_rank``; ``world = ep · tp`` ranks in all.
+
+    The plain class behind the ``TrainerShard`` actor, so trainers with their own training step
+    (e.g. ``actors.policy_trainer.PolicyTrainer``) can extend it.
+    """
 
     def __init__(self, *, base_dir: str, adapter_dir: str | None, rank: int = 0, ep: int = 1, tp: int = 1,
                  gather_timeout_s: float = 60.0) -> None:
@@ -192,3 +195,7 @@ class TrainerShard:
         if self.state is None:
             raise RuntimeError("TrainerShard used before setup()")
         return self.state
+
+
+TrainerShard = ray.remote(num_cpus=0, max_concurrency=2)(TrainerShardCore)
+"""The Ray actor class of a trainer rank (``TrainerShard.remote(base_dir=..., adapter_dir=..., rank=...)``)."""

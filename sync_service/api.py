@@ -7,6 +7,12 @@
     handle = sync.push_async(step)   # returns once the snapshot is taken; training may continue
     handle.result(timeout=60)        # -> SyncMetrics
 
+Live refresh (docs/live-refresh.md): ``push_async`` overlaps the transfer with the next training
+step; at most ``SyncConfig.max_in_flight`` pushes are in flight (a further ``push_async`` blocks
+until the oldest commits: back-pressure); ``wait_for_version`` / ``wait_for_fresh`` hold rollouts
+to versions >= latest - ``SyncConfig.max_staleness``; ``add_engine`` brings a late joiner to the
+fleet's version by a peer copy, so the others keep receiving deltas.
+
 Conventions of the peers: this is verl's/slime's "update_weights" and NeMo-RL's
 ``WeightSynchronizer.sync_weights() -> metrics``, with the snapshot / transfer split of an async
 trainer. Setup (in the constructor) builds the plan once and validates it against every engine's
@@ -16,13 +22,17 @@ parameter table before any byte moves (``PlanMismatchError``).
 from __future__ import annotations
 
 import concurrent.futures
+import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from sync_service.coordinator import Coordinator, PlanMismatchError
+from sync_service.coordinator.join import JoinMetrics
 from sync_service.coordinator.metrics import EngineResult, SyncError, SyncMetrics
 
-__all__ = ["EngineResult", "PlanMismatchError", "PushHandle", "SyncConfig", "SyncError", "SyncMetrics", "WeightSync"]
+__all__ = ["EngineResult", "JoinMetrics", "PlanMismatchError", "PushHandle", "SyncConfig", "SyncError", "SyncMetrics",
+           "WeightSync"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -43,6 +53,12 @@ class SyncConfig:
     ``None``: a fresh random one per WeightSync. Never printed (excluded from repr)."""
     delta: bool = True
     """After an engine's first full sync, send only the names the adapter changes."""
+    max_in_flight: int = 1
+    """Pushes snapshotted but not yet committed, at most (back-pressure): ``push_async`` blocks (up to
+    ``timeout_s``) while this many are in flight. 1: the next snapshot waits for the previous commit."""
+    max_staleness: int = 1
+    """k: rollouts may use weight versions >= latest pushed - k (``wait_for_fresh``, ``is_stale``);
+    0 = on-policy. With k >= ``max_in_flight`` the bound holds without any rollout-side wait."""
 
     def __post_init__(self) -> None:
         from sync_service.coordinator.driver import TRANSPORT_KINDS
@@ -53,6 +69,9 @@ class SyncConfig:
             raise ValueError(f"SyncConfig.bucket_bytes={self.bucket_bytes} must be a positive multiple of 64")
         if self.timeout_s <= 0:
             raise ValueError(f"SyncConfig.timeout_s={self.timeout_s} must be > 0")
+        if self.max_in_flight < 1 or self.max_staleness < 0:
+            raise ValueError(f"SyncConfig.max_in_flight={self.max_in_flight} must be >= 1 and "
+                             f"max_staleness={self.max_staleness} >= 0")
         if self.secret is not None:
             from sync_service.security import check_secret
 
@@ -60,10 +79,17 @@ class SyncConfig:
 
 
 class PushHandle:
-    """A push in flight (snapshot taken). ``result(timeout)`` -> SyncMetrics, or raises SyncError."""
+    """A push in flight (snapshot taken). ``result(timeout)`` -> SyncMetrics, or raises SyncError.
 
-    def __init__(self, version: int, future: concurrent.futures.Future) -> None:
+    Attributes:
+        version: the pushed weight version. backpressure_s: seconds ``push_async`` waited for an
+        in-flight slot. snapshot_s: seconds the trainers' snapshot took (all ``push_async`` blocked).
+    """
+
+    def __init__(self, version: int, future: concurrent.futures.Future, *, backpressure_s: float = 0.0,
+                 snapshot_s: float = 0.0) -> None:
         self.version, self._future = version, future
+        self.backpressure_s, self.snapshot_s = backpressure_s, snapshot_s
 
     def done(self) -> bool:
         return self._future.done()
@@ -78,7 +104,8 @@ class PushHandle:
 
 class WeightSync:
     """Streams merged weights from trainer shards (``actors.trainer.TrainerShard``) to rollout
-    engines (``actors.rollout.RolloutEngine``). Pushes run one at a time, in call order.
+    engines (``actors.rollout.RolloutEngine``). Transfers run one at a time, in call order; versions
+    must increase.
 
     Raises (constructor):
         PlanMismatchError: an engine's table does not fit the trainers' plan.
@@ -89,26 +116,117 @@ class WeightSync:
         self.config = config or SyncConfig()
         self._coordinator = Coordinator(trainers, engines, self.config)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync-push")
+        self._slots = threading.BoundedSemaphore(self.config.max_in_flight)
+        self._push_lock = threading.Lock()  # push_async calls snapshot in call order
+        self._in_flight = 0
+        self._count_lock = threading.Lock()
+        self._latest: int | None = None
 
     def push(self, version: int) -> SyncMetrics:
         """Snapshot, stream and commit ``version`` on every engine; blocks. Raises SyncError."""
         return self.push_async(version).result(self.config.timeout_s * 2 + 60)
 
-    def push_async(self, version: int) -> PushHandle:
-        """Take the snapshot of ``version`` on every trainer (blocking), then stream it in the
-        background. After this returns the trainers may change their factors freely."""
-        changed = self._coordinator.snapshot(version)
-        if not self.config.delta:
-            changed = None
-        return PushHandle(version, self._pool.submit(self._coordinator.transfer, version, changed))
+    def push_async(self, version: int, *, timeout_s: float | None = None) -> PushHandle:
+        """Take the snapshot of ``version`` on every trainer, then stream it in the background; returns
+        once the snapshot is taken, so the trainers may change their factors right away (the next
+        training step overlaps the transfer).
+
+        Back-pressure: while ``config.max_in_flight`` pushes are in flight this first blocks, up to
+        ``timeout_s`` (default ``config.timeout_s``), until the oldest finished (committed or failed).
+
+        Raises:
+            ValueError: ``version`` not above the last pushed one.
+            TimeoutError: no in-flight slot freed within ``timeout_s`` (nothing snapshotted).
+        """
+        wait = self.config.timeout_s if timeout_s is None else timeout_s
+        with self._push_lock:
+            if self._latest is not None and version <= self._latest:
+                raise ValueError(f"push_async({version}): versions must increase; the last push was {self._latest}")
+            t0 = time.perf_counter()
+            if not self._slots.acquire(timeout=wait):
+                raise TimeoutError(f"push_async({version}): {self.config.max_in_flight} push(es) still in flight after "
+                                   f"{wait} s (back-pressure); wait for them or raise SyncConfig.max_in_flight")
+            t1 = time.perf_counter()
+            try:
+                changed = self._coordinator.snapshot(version)
+                future = self._pool.submit(self._coordinator.transfer, version, changed if self.config.delta else None)
+            except BaseException:
+                self._slots.release()
+                raise
+            with self._count_lock:
+                self._in_flight += 1
+            self._latest = version
+            future.add_done_callback(self._push_done)
+            return PushHandle(version, future, backpressure_s=t1 - t0, snapshot_s=time.perf_counter() - t1)
+
+    def _push_done(self, _future: concurrent.futures.Future) -> None:
+        with self._count_lock:
+            self._in_flight -= 1
+        self._slots.release()
+
+    # -- versions and staleness ------------------------------------------------------------
+    @property
+    def latest_version(self) -> int | None:
+        """The last version given to ``push_async`` (the trainers' policy version); ``None`` before."""
+        return self._latest
+
+    @property
+    def committed_version(self) -> int | None:
+        """The lowest version committed on the member engines (``None``: one has none from this sync)."""
+        return self._coordinator.versions.min_committed()
+
+    def min_rollout_version(self) -> int | None:
+        """Oldest version a rollout may use: ``latest_version - max_staleness`` (``None``: nothing pushed)."""
+        return None if self._latest is None else self._latest - self.config.max_staleness
+
+    def is_stale(self, version: int | None) -> bool:
+        """Whether a rollout produced by weight ``version`` is older than the staleness bound allows."""
+        low = self.min_rollout_version()
+        return low is not None and (version is None or version < low)
+
+    def wait_for_version(self, min_version: int, timeout_s: float | None = None) -> int:
+        """Block until every member engine committed ``>= min_version``; returns the lowest committed.
+
+        Raises:
+            TimeoutError: not reached within ``timeout_s`` (default ``config.timeout_s``).
+            SyncError: it cannot arrive: no push is in flight (never pushed, or the push failed).
+        """
+        def hopeless() -> str | None:
+            return None if self._in_flight else f"no push in flight (last pushed: {self._latest})"
+
+        try:
+            return self._coordinator.versions.wait_min(min_version, self.config.timeout_s if timeout_s is None else timeout_s,
+                                                       hopeless=hopeless)
+        except RuntimeError as exc:
+            raise SyncError(str(exc), None) from None
+
+    def wait_for_fresh(self, timeout_s: float | None = None) -> int | None:
+        """``wait_for_version(min_rollout_version())``: returns (the lowest committed version) once
+        rollouts may start within the staleness bound; at once when nothing was pushed yet."""
+        low = self.min_rollout_version()
+        if low is None:
+            return self.committed_version
+        return self.wait_for_version(low, timeout_s)
 
     def engine_versions(self) -> dict[str, int | None]:
         """Committed weight version per engine name (``None`` before its first sync)."""
         return self._coordinator.engine_versions()
 
     def add_engine(self, engine) -> str:
-        """Admit a RolloutEngine (validated now; its first sync is full). Returns its name."""
+        """Admit a RolloutEngine while training runs: validated, then (after any push in flight) brought
+        to the fleet's committed version by a peer copy from a member engine; later pushes are deltas
+        for every member. Without a member that can export a version, its first push is full for all.
+        Returns its name; ``joins[-1]`` says how it joined.
+
+        Raises:
+            PlanMismatchError: its table does not fit. SyncError: the peer copy failed. Not admitted either way.
+        """
         return self._pool.submit(self._coordinator.add_engine, engine).result()
+
+    @property
+    def joins(self) -> list[JoinMetrics]:
+        """One ``JoinMetrics`` per ``add_engine``, in call order."""
+        return list(self._coordinator.joins)
 
     def remove_engine(self, engine) -> None:
         """Stop syncing to ``engine`` (after any push in flight); it keeps its last version."""

@@ -6,10 +6,13 @@ One sync of version v:
   3. all acked → every engine ``commit(v)``; any failure → every engine ``abort()`` (the previous
      version stays served everywhere) and ``SyncError`` is raised with the per-engine results.
 
-Full sync the first time and whenever an engine has not yet received one (a new member); otherwise
-delta: only the names the adapter changes. Every frame of a channel goes to all its engines, so a
-new engine makes the next sync full for all of them (simple and correct; a late joiner costs one
-full sync). Membership changes reopen the channel (a new ``TransportSpec`` sized to the members).
+Full sync the first time and whenever an engine has not yet received one; otherwise delta: only the
+names the adapter changes. Every frame of a channel goes to all its engines, so a late joiner is
+first brought to the fleet's version by a peer copy from a member engine (``join.py``): the next
+push stays a delta for everyone. Only when no member holds a version it can export does the
+joiner's first push go full to every member. Membership changes reopen the channel (a new
+``TransportSpec`` sized to the members). ``versions`` (a ``VersionBoard``) records what each engine
+committed.
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ import ray
 
 from actors.trainer import meta_from_list
 from protocols.wire import SyncPlan, encode
+from sync_service.coordinator.join import JoinMetrics, peer_copy
 from sync_service.coordinator.metrics import EngineResult, SyncError, SyncMetrics
 from sync_service.coordinator.planning import build_sync_plan, validate_plan
+from sync_service.coordinator.versions import VersionBoard
 from sync_service.security import new_secret
 from sync_service.transports import TransportSpec
 
@@ -42,6 +47,9 @@ class Coordinator:
         self.engines: list = []
         self.names: list[str] = []
         self._full_done: set[str] = set()
+        self._tables: dict[str, list] = {}  # engine name -> its parameter table (ParamMeta list)
+        self.versions = VersionBoard()
+        self.joins: list[JoinMetrics] = []
         self._channel_id = uuid.uuid4().hex[:8]
         self._secret = config.secret if config.secret is not None else new_secret()  # HMAC key of every bucket
         self._epoch = 0
@@ -59,12 +67,27 @@ class Coordinator:
         return self._plan
 
     def add_engine(self, engine) -> str:
-        """Validate a new engine against the plan and admit it; its first sync is full.
+        """Validate a new engine against the plan, bring it to the fleet's committed version by a peer
+        copy (when a member can export one), and admit it; later pushes are deltas for everyone.
 
         Raises:
             PlanMismatchError: its table does not fit (nothing changes).
+            SyncError: the peer copy failed (the engine is not admitted).
         """
-        name = self._admit(engine)
+        name, table = self._validate(engine)
+        peer = self._pick_peer()
+        if peer is None:
+            joined = JoinMetrics(engine=name, source="next-push", version=None, bytes=0, buckets=0, seconds=0.0)
+        else:
+            p = self.engines.index(peer)
+            self._epoch += 1
+            joined = peer_copy(joiner=engine, joiner_name=name, joiner_table=table, peer=peer, peer_name=self.names[p],
+                               peer_table=self._tables[self.names[p]], version=self.versions.snapshot()[self.names[p]],
+                               config=self.config, channel=f"ws{self._channel_id}j{self._epoch}", secret=self._secret,
+                               get=self._get)
+            self._full_done.add(name)
+        self._append(engine, name, table, joined.version)
+        self.joins.append(joined)
         self._connected = False
         return name
 
@@ -78,7 +101,10 @@ class Coordinator:
             if e == engine:
                 self._get([e.close_transport.remote()], "close_transport")
                 del self.engines[i]
-                self._full_done.discard(self.names.pop(i))
+                name = self.names.pop(i)
+                self._full_done.discard(name)
+                self._tables.pop(name, None)
+                self.versions.remove(name)
                 self._connected = False
                 return
         raise ValueError("remove_engine: that engine is not a member of this WeightSync")
@@ -123,6 +149,7 @@ class Coordinator:
             self._get([e.commit.remote(version) for e in self.engines], "commit")
             commit_s = time.perf_counter() - tc
             self._full_done.update(self.names)
+            self.versions.record(self.names, version)
         else:
             self._get([e.abort.remote() for e in self.engines], "abort")
             commit_s = 0.0
@@ -144,13 +171,31 @@ class Coordinator:
                                bucket_bytes=self.config.bucket_bytes)
 
     def _admit(self, engine) -> str:
-        name, table = self._get([engine.engine_name.remote(), engine.param_metas.remote()], "param_metas")
+        name, table = self._validate(engine)
+        self._append(engine, name, table, None)
+        return name
+
+    def _validate(self, engine) -> tuple[str, list]:
+        name, raw = self._get([engine.engine_name.remote(), engine.param_metas.remote()], "param_metas")
         if name in self.names:
             name = f"{name}#{len(self.names)}"
-        validate_plan(self._plan, [meta_from_list(m) for m in table], engine=name)
+        table = [meta_from_list(m) for m in raw]
+        validate_plan(self._plan, table, engine=name)
+        return name, table
+
+    def _append(self, engine, name: str, table: list, version: int | None) -> None:
         self.engines.append(engine)
         self.names.append(name)
-        return name
+        self._tables[name] = table
+        self.versions.admit(name, version)
+
+    def _pick_peer(self):
+        """A member that received a full sync from this coordinator, committed a version and can export."""
+        versions = self.versions.snapshot()
+        for engine, name in zip(self.engines, self.names):
+            if name in self._full_done and versions.get(name) is not None and self._get([engine.can_export.remote()], "can_export")[0]:
+                return engine
+        return None
 
     def _connect(self) -> None:
         self._epoch += 1

@@ -24,7 +24,7 @@ import torch
 
 from protocols.params import Box, ParamMeta, box_numel, box_shape
 
-__all__ = ["GenerateResult", "HFEngine", "HFEngineConfig", "dtype_name", "load_causal_lm"]
+__all__ = ["GenerateResult", "HFEngine", "HFEngineConfig", "SampleResult", "dtype_name", "load_causal_lm"]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -50,6 +50,19 @@ class GenerateResult:
     """
 
     tokens: list[int]
+    weight_version: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class SampleResult:
+    """Sampled continuations of one prompt and the committed weight version that produced all of them.
+
+    Attributes:
+        tokens: ``num_samples`` lists of generated token ids (prompt excluded), each ``max_new_tokens`` long.
+        weight_version: the version served during the whole call; ``None`` before any sync.
+    """
+
+    tokens: list[list[int]]
     weight_version: int | None
 
 
@@ -210,6 +223,34 @@ class HFEngine:
             )
             version = self._version
         return GenerateResult(tokens=out[0, ids.shape[1]:].tolist(), weight_version=version)
+
+    def sample(self, prompt_token_ids: Sequence[int], max_new_tokens: int, *, num_samples: int = 1,
+               temperature: float = 1.0, seed: int = 0) -> SampleResult:
+        """Ancestral sampling of ``num_samples`` continuations: each token drawn from
+        softmax(logits / ``temperature``) over the whole vocabulary (no top-k / top-p), with a
+        ``torch.Generator`` seeded by ``seed`` (reproducible; the global RNG is untouched). No KV
+        cache (short rollouts). Blocks commits for its duration.
+
+        Raises:
+            ValueError: empty prompt, ``max_new_tokens < 1``, ``num_samples < 1`` or ``temperature <= 0``.
+        """
+        if not prompt_token_ids or max_new_tokens < 1 or num_samples < 1 or temperature <= 0:
+            raise ValueError(f"sample needs a non-empty prompt, max_new_tokens >= 1, num_samples >= 1 and "
+                             f"temperature > 0; got {len(prompt_token_ids)} / {max_new_tokens} / {num_samples} / {temperature}")
+        ids = torch.tensor([list(prompt_token_ids)] * num_samples, dtype=torch.long)
+        gen = torch.Generator().manual_seed(seed)
+        with self._locked(), torch.no_grad():
+            for _ in range(max_new_tokens):
+                logits = self._model(input_ids=ids).logits[:, -1].float() / temperature
+                ids = torch.cat([ids, torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)], dim=1)
+            version = self._version
+        return SampleResult(tokens=ids[:, len(prompt_token_ids):].tolist(), weight_version=version)
+
+    def export_tensors(self) -> dict[str, torch.Tensor]:
+        """The served parameters themselves (no copy), for streaming them to a peer engine (a late
+        joiner). Read only; they hold the served version until the next ``commit``: the caller must hold off
+        syncs while it reads (the coordinator serialises a peer copy with pushes)."""
+        return {n: p.data for n, p in self._params.items()}
 
     # -- internals -------------------------------------------------------------------------
     def _staging_buffer(self, name: str) -> torch.Tensor:
