@@ -6,7 +6,7 @@ reference merge a version must equal.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -17,9 +17,11 @@ __all__ = ["start_trainers", "start_engines", "AdapterReplay", "reference_state"
 
 
 def start_trainers(base_dir: str | Path, adapter_dir: str | Path | None, *, ep: int = 1, tp: int = 1,
-                   timeout_s: float = 120.0, actor_options: Mapping | None = None, reuse: list | None = None) -> list:
+                   timeout_s: float = 120.0, actor_options: Mapping | Sequence[Mapping] | None = None,
+                   reuse: list | None = None) -> list:
     """Start ``ep·tp`` TrainerShard actors (or reload the ``reuse`` actors, same count), join their
-    gloo group, load their shards. Blocks."""
+    gloo group, load their shards. Blocks. ``actor_options``: Ray ``.options(...)`` for every shard,
+    or a sequence with one mapping per rank (e.g. its placement-group bundle)."""
     import ray
 
     from actors.trainer import TrainerShard
@@ -28,8 +30,8 @@ def start_trainers(base_dir: str | Path, adapter_dir: str | Path | None, *, ep: 
     adapter = None if adapter_dir is None else str(adapter_dir)
     if reuse is not None and len(reuse) != world:
         raise ValueError(f"reuse: {len(reuse)} actors for ep·tp = {world} ranks")
-    opts = dict(actor_options or {})
-    shards = reuse or [TrainerShard.options(**opts).remote(base_dir=str(base_dir), adapter_dir=adapter, rank=r, ep=ep,
+    opts = _per_actor(actor_options, world)
+    shards = reuse or [TrainerShard.options(**opts[r]).remote(base_dir=str(base_dir), adapter_dir=adapter, rank=r, ep=ep,
                                                            tp=tp, gather_timeout_s=timeout_s) for r in range(world)]
     host, port = ray.get(shards[0].rendezvous_address.remote(), timeout=timeout_s)
     settings = [dict(base_dir=str(base_dir), adapter_dir=adapter, rank=r, ep=ep, tp=tp) for r in range(world)]
@@ -39,17 +41,27 @@ def start_trainers(base_dir: str | Path, adapter_dir: str | Path | None, *, ep: 
 
 
 def start_engines(model_dir: str | Path, count: int, *, engine: str = "hf", timeout_s: float = 120.0,
-                  actor_options: Mapping | None = None, prefix: str = "engine") -> list:
-    """Start ``count`` RolloutEngine actors loaded from ``model_dir``. Blocks until they answer."""
+                  actor_options: Mapping | Sequence[Mapping] | None = None, prefix: str = "engine") -> list:
+    """Start ``count`` RolloutEngine actors loaded from ``model_dir``. Blocks until they answer.
+    ``actor_options``: Ray ``.options(...)`` for every engine, or one mapping per engine."""
     import ray
 
     from actors.rollout import RolloutEngine
 
-    opts = dict(actor_options or {})
-    engines = [RolloutEngine.options(**opts).remote(model_dir=str(model_dir), engine=engine, name=f"{prefix}{i}")
+    opts = _per_actor(actor_options, count)
+    engines = [RolloutEngine.options(**opts[i]).remote(model_dir=str(model_dir), engine=engine, name=f"{prefix}{i}")
                for i in range(count)]
     ray.get([e.weight_version.remote() for e in engines], timeout=timeout_s)
     return engines
+
+
+def _per_actor(actor_options: Mapping | Sequence[Mapping] | None, count: int) -> list[dict]:
+    """One options dict per actor: a mapping is shared, a sequence must have ``count`` entries."""
+    if actor_options is None or isinstance(actor_options, Mapping):
+        return [dict(actor_options or {}) for _ in range(count)]
+    if len(actor_options) != count:
+        raise ValueError(f"actor_options: {len(actor_options)} entries for {count} actors; give one per actor or one mapping")
+    return [dict(o) for o in actor_options]
 
 
 class AdapterReplay:

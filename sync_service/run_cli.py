@@ -1,0 +1,174 @@
+"""``weightsync run --config FILE [--address auto|HOST:PORT] [--json PATH]``: sync on a Ray cluster.
+
+Connects to a running Ray cluster (``--address auto`` inside a RayJob / on a cluster node, or
+``HOST:PORT`` of the GCS) — or starts a local one when no address is given, advertising the
+``trainer`` / ``rollout`` resources the config asks for — places the trainer shards and rollout
+engines by their custom resources (``sync_service.placement``), chooses the transport, and pushes
+``run.versions`` versions like ``weightsync sync``: a deterministic training step between versions,
+then, with ``run.verify``, every engine's weights compared with the reference merge.
+Prints one row per version; ``--json`` writes them with the placement (node per actor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from sync_service.deploy_config import ConfigError, DeployConfig, SecretConfig, load_config
+from sync_service.sync_cli import VersionRow, print_header, print_row, quiet_libraries, write_json
+
+STAGES = ("gather_s", "merge_s", "pack_s", "transfer_s", "apply_s", "commit_s")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, type=Path, help="YAML config (see deploy/example-config.yaml)")
+    parser.add_argument("--address", default=None,
+                        help="Ray cluster: 'auto' (this node's cluster) or HOST:PORT; omitted: start a local Ray")
+    parser.add_argument("--json", type=Path, default=None, help="write the results as JSON to this path")
+
+
+def load_secret(cfg: SecretConfig, environ: dict[str, str] | None = None) -> bytes | None:
+    """The session secret from ``cfg.env`` (first) or ``cfg.file``. Raises ConfigError when it is
+    shorter than ``cfg.min_bytes``, or missing while ``cfg.required``."""
+    environ = os.environ if environ is None else environ
+    if environ.get(cfg.env):
+        secret, where = environ[cfg.env].encode(), f"${cfg.env}"
+    elif cfg.file is not None and cfg.file.is_file():
+        secret, where = cfg.file.read_bytes().strip(), str(cfg.file)
+    elif cfg.required:
+        raise ConfigError("secret", f"no session secret in ${cfg.env} or {cfg.file}; mount the Kubernetes Secret "
+                          f"{cfg.k8s_name!r} (deploy/README in docs/deploy.md) or set secret.required: false")
+    else:
+        return None
+    if len(secret) < cfg.min_bytes:
+        raise ConfigError("secret", f"{where} holds {len(secret)} bytes; need >= {cfg.min_bytes} "
+                          "(generate one: openssl rand -hex 32)")
+    return secret
+
+
+def connect(address: str | None, cfg: DeployConfig, tmp: Path) -> None:
+    """``ray.init`` to ``address``, or a local Ray advertising the config's resources."""
+    import ray
+
+    env = {"OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1",
+           "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    if address is not None:
+        ray.init(address=address, log_to_driver=False, runtime_env={"env_vars": env})
+        return
+    t, e = cfg.trainers, cfg.engines
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(tmp), log_to_driver=False,
+             resources={t.resource: t.shards * t.resource_per_shard, e.resource: e.count * e.resource_per_engine},
+             runtime_env={"env_vars": env})
+
+
+def run_versions(cfg: DeployConfig, deployment, sync, first_version: int = 0, versions: int | None = None,
+                 replay=None) -> list[VersionRow]:
+    """Push ``versions`` (default ``cfg.run.versions``) versions from ``first_version`` on: training step
+    (version > 0) → push → verify (``cfg.run.verify``). ``replay`` (an ``AdapterReplay``) is advanced
+    alongside the trainers; pass the same one across calls. Returns one row per version."""
+    import ray
+
+    rows = []
+    for v in range(first_version, first_version + (cfg.run.versions if versions is None else versions)):
+        if v and cfg.model.adapter is not None:
+            ray.get([t.train_step.remote(v) for t in deployment.trainers], timeout=cfg.sync.timeout_s)
+            if replay is not None:
+                replay.step(v)
+        m = sync.push(v)
+        engines = [{"engine": r.engine, "committed": r.committed} for r in m.engines]
+        if cfg.run.verify:
+            checks = verify_weights(cfg, deployment.engines, replay)
+            engines = [{**e, **c} for e, c in zip(engines, checks)]
+        else:
+            engines = [{**e, "verified": e["committed"]} for e in engines]
+        rows.append(VersionRow(version=v, full=m.full, bytes=m.bytes, buckets=m.buckets, seconds=m.seconds,
+                               gb_per_s=m.gb_per_s, stages={k: getattr(m, k) for k in STAGES}, engines=engines))
+        print_row(rows[-1])
+    return rows
+
+
+def verify_weights(cfg: DeployConfig, engines: list, replay) -> list[dict]:
+    """Per engine: its weights equal the reference merge (bitwise; 2.4e-7 with TP blocks)."""
+    import numpy as np
+    import ray
+    import torch
+
+    from sync_service.local import reference_state
+
+    reference = reference_state(cfg.model.base, getattr(replay, "peft_config", None), getattr(replay, "state", None))
+    atol = 0.0 if cfg.trainers.tp == 1 else 2.4e-7  # TP blocks: fp32 GEMM rounding depends on the block shape
+    out = []
+    for engine in engines:
+        state = ray.get(engine.state.remote(), timeout=cfg.sync.timeout_s)
+        diff = max((float(np.abs(state[n].astype(np.float64) - (t.float() if t.dtype == torch.bfloat16 else t)
+                                 .double().numpy()).max()) for n, t in reference.items() if n in state), default=0.0)
+        ok = set(state) == set(reference) and diff <= atol
+        out.append({"verified": bool(ok), "weights_equal_reference": bool(ok), "max_abs_diff": diff,
+                    "weight_version": ray.get(engine.weight_version.remote(), timeout=cfg.sync.timeout_s)})
+    return out
+
+
+def placement_report(deployment) -> dict:
+    """Node id of every trainer shard and engine, and the transport chosen (with the reason)."""
+    transport, reason = deployment.transport()
+    return {"trainer_nodes": deployment.trainer_nodes(), "engine_nodes": deployment.engine_nodes(),
+            "transport": transport, "transport_reason": reason}
+
+
+def execute(cfg: DeployConfig, address: str | None, json_path: Path | None) -> int:
+    """Connect, place, push and verify; 0 when every version verified on every engine."""
+    import ray
+
+    from sync_service.api import SyncConfig, WeightSync
+    from sync_service.local import AdapterReplay
+    from sync_service.placement import Deployment
+
+    secret = load_secret(cfg.secret)
+    quiet_libraries()
+    tmp = Path(tempfile.mkdtemp(prefix="wsrun"))
+    rows: list = []
+    t0 = time.perf_counter()
+    try:
+        connect(address, cfg, tmp / "ray")
+        deployment = Deployment.start(cfg)
+        try:
+            placed = placement_report(deployment)
+            print(f"placed {len(deployment.trainers)} trainer shard(s) on {len(set(placed['trainer_nodes']))} node(s), "
+                  f"{len(deployment.engines)} engine(s) on {len(set(placed['engine_nodes']))} node(s); transport "
+                  f"{placed['transport']} ({placed['transport_reason']})", flush=True)
+            sync = WeightSync(trainers=deployment.trainers, engines=deployment.engines, config=SyncConfig(
+                transport=placed["transport"], bucket_bytes=cfg.sync.bucket_bytes, timeout_s=cfg.sync.timeout_s,
+                delta=cfg.sync.delta))
+            replay = AdapterReplay(cfg.model.adapter) if cfg.model.adapter is not None else None
+            print_header()
+            rows = run_versions(cfg, deployment, sync, replay=replay)
+            sync.close()
+        finally:
+            deployment.close()
+    finally:
+        ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+    total = time.perf_counter() - t0
+    ok = len(rows) == cfg.run.versions and all(r.verified for r in rows)
+    print(f"{'all versions committed' + (' and verified' if cfg.run.verify else '') if ok else 'FAILED'} "
+          f"on {cfg.engines.count} engine(s) in {total:.1f} s")
+    if json_path is not None:
+        write_json(json_path, rows, {"ok": ok, "total_seconds": total, "placement": placed,
+                                     "session_secret": secret is not None, "base": str(cfg.model.base)})
+    return 0 if ok else 1
+
+
+def run(args: argparse.Namespace) -> int:
+    """``weightsync run`` entry (see ``sync_service/cli.py``)."""
+    try:
+        cfg = load_config(args.config)
+    except (ConfigError, FileNotFoundError) as exc:
+        raise SystemExit(f"weightsync run: {args.config}: {exc}") from None
+    for what, path in (("model.base", cfg.model.base), ("model.adapter", cfg.model.adapter)):
+        if path is not None and not path.is_dir() and args.address is None:
+            raise SystemExit(f"weightsync run: {what} {path}: not a directory")
+    return execute(cfg, args.address, args.json)
