@@ -140,6 +140,8 @@ class NodeGroupConfig:
     """GPUs per pod (``nvidia.com/gpu``)."""
     resource_amount: float = 1.0
     """Amount of the group's custom resource each node advertises."""
+    instance_type: str = "m6i.2xlarge"
+    """Cluster launcher: cloud instance type of the node (``node_config.InstanceType``)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -164,6 +166,10 @@ class ClusterConfig:
     """PersistentVolumeClaim mounted at ``model_mount_path`` on every pod."""
     model_mount_path: str = "/models"
     """Where the model volume is mounted."""
+    config_map: str = "weightsync-config"
+    """ConfigMap holding this file as ``config.yaml`` (mounted at /etc/weightsync on the head)."""
+    region: str = "us-west-2"
+    """Cluster launcher: cloud region (provider type ``aws``)."""
 
 
 @dataclass(kw_only=True, slots=True)
