@@ -7,6 +7,7 @@ Trainer shards and rollout engines are placed by the custom resources of the con
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -21,8 +22,9 @@ from tests.e2e.conftest import assert_engines_equal
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.multinode
 
-SYNC = SyncConfig(transport="ray", bucket_bytes=8 << 10, timeout_s=15)  # the node-loss push waits this long
-RECOVERY = SyncConfig(transport="ray", bucket_bytes=8 << 10, timeout_s=60)  # a fresh node starts its workers
+# Ray's object store between the nodes; 45 s: a busy machine takes > 15 s to start a mailbox worker on
+# a fresh node, and the node-loss push waits this long (the trainers wait for the lost engine's ack)
+SYNC = SyncConfig(transport="ray", bucket_bytes=8 << 10, timeout_s=45)
 
 
 def config(base, adapter) -> object:
@@ -34,6 +36,33 @@ def config(base, adapter) -> object:
         "sync": {"transport": "auto", "bucket_bytes": SYNC.bucket_bytes, "timeout_s": 120},
         "run": {"versions": 3, "verify": True},
         "cluster": {"trainer_group": {"resource_amount": 2}, "rollout_group": {"replicas": 2}}})
+
+
+def test_weightsync_run_cli_on_the_cluster(cluster, tiny_files, tmp_path):
+    """``weightsync run --config FILE --address HOST:PORT --json PATH`` as a separate driver process."""
+    import json
+    import subprocess
+    import sys
+
+    import yaml
+
+    base, adapter = tiny_files
+    doc = {"model": {"base": str(base), "adapter": str(adapter)}, "trainers": {"ep": 1},
+           "engines": {"count": 1, "engine": "memory"}, "run": {"versions": 2},
+           "sync": {"bucket_bytes": 8192, "timeout_s": 120}}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(doc))
+    out = subprocess.run([sys.executable, "-m", "sync_service.cli", "run", "--config", str(tmp_path / "run.yaml"),
+                          "--address", cluster.address, "--json", str(tmp_path / "run.json")],
+                         capture_output=True, text=True, timeout=240, env={**os.environ, "RAY_TMPDIR": os.environ["RAY_TMPDIR"]})
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    result = json.loads((tmp_path / "run.json").read_text())
+    assert result["ok"] and [v["version"] for v in result["versions"]] == [0, 1]
+    assert all(e["max_abs_diff"] == 0.0 for v in result["versions"] for e in v["engines"])
+    placed = result["placement"]
+    assert placed["trainer_nodes"] == [cluster.head_node.node_id]
+    assert placed["engine_nodes"][0] in {n.node_id for n in cluster.rollout_nodes}
+    assert placed["transport"] == "shm", "auto: every Ray node of this cluster is on one host"
+    assert "transport shm" in out.stdout and "all versions committed and verified" in out.stdout
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +154,7 @@ def test_remaining_engine_and_replacement_catch_up_exactly(cluster, deployed, no
     assert dep.engine_nodes()[1] == new_node.node_id
     assert ray.get(replacement.weight_version.remote(), timeout=30) is None
     deployed["sync"].close()
-    sync = WeightSync(trainers=dep.trainers, engines=[survivor, replacement], config=RECOVERY)
+    sync = WeightSync(trainers=dep.trainers, engines=[survivor, replacement], config=SYNC)
     deployed["sync"] = sync
     m = sync.push(v)
     assert m.full and all(r.committed for r in m.engines)
