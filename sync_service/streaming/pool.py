@@ -24,15 +24,16 @@ class BucketPool:
 
     ``acquire`` hands out a free buffer index (blocking, with a timeout); ``release`` returns it.
     ``array(i)`` is the numpy view a transport sends, ``tensor(i)`` the torch view the bucketer
-    fills (same memory).
+    fills (same memory). The buffers are allocated (and their pages touched) on first use, once:
+    a ``Sender`` over a transport that lends its own buffers (shm ring slots) never allocates them.
     """
 
     def __init__(self, config: BucketPoolConfig | None = None, **kw):
         self.config = config or BucketPoolConfig(**kw)
         if self.config.num_buffers < 1 or self.config.bucket_bytes < 1:
             raise ValueError(f"BucketPool needs num_buffers >= 1 and bucket_bytes >= 1, got {self.config}")
-        self._arrays = [np.ones(self.config.bucket_bytes, dtype=np.uint8) for _ in range(self.config.num_buffers)]
-        self._tensors = [as_byte_tensor(a) for a in self._arrays]
+        self._arrays: list[np.ndarray] = []
+        self._tensors: list[torch.Tensor] = []
         self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
         for i in range(self.config.num_buffers):
             self._free.put(i)
@@ -52,7 +53,15 @@ class BucketPool:
         self._free.put(index)
 
     def array(self, index: int) -> np.ndarray:
+        self._allocate()
         return self._arrays[index]
 
     def tensor(self, index: int) -> torch.Tensor:
+        self._allocate()
         return self._tensors[index]
+
+    def _allocate(self) -> None:
+        if not self._arrays:
+            arrays = [np.ones(self.config.bucket_bytes, dtype=np.uint8) for _ in range(self.config.num_buffers)]
+            self._tensors = [as_byte_tensor(a) for a in arrays]
+            self._arrays = arrays

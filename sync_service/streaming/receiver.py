@@ -8,7 +8,9 @@
 Each bucket is checked (mac, session, version, sender, sequence number, entries == the planned
 entries of that bucket, payload size, xxh3_64 checksum) before any entry of it is applied; entries
 are dtype views into the transport's buffer, copied once by ``EngineAdapter.apply``; the buffer is
-released to the transport only after the last copy, and no view outlives it.
+released to the transport only after the last copy, and no view outlives it. Applying runs on its
+own thread (``ApplyStage``): while bucket k is applied, bucket k+1 is received and verified here,
+as far as the transport lets a receiver hold two frames (``max_held``).
 
 On any failure the adapter is aborted (nothing staged survives), an ``Error`` carrying the text
 is replied to every sender, the rest of the sync is drained (so the channel is clean for the next
@@ -18,16 +20,16 @@ sync), and the error is raised.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from protocols.interfaces import EngineAdapter, PeerLostError, TransportReceiver
 from protocols.wire import (
     Abort, Ack, Begin, BucketHeader, Commit, Error, PlanEntry, ProtocolError, SyncPlan, decode, encode,
     plan_digest, verify_mac,
 )
+from sync_service.streaming.applier import ApplyStage
 from sync_service.streaming.checksum import checksum
 from sync_service.streaming.plan import buckets_of, senders, subset_plan
-from sync_service.streaming.views import as_byte_tensor, entry_view
 
 
 class SyncAbortedError(RuntimeError):
@@ -52,9 +54,12 @@ class ApplyStats:
     payload_bytes: int
     wait_s: float     # blocked in Transport.recv
     verify_s: float   # checksums + header checks
-    apply_s: float    # EngineAdapter.apply copies
+    apply_s: float    # EngineAdapter.apply copies (apply thread; overlaps wait and verify)
     finish_s: float   # EngineAdapter.finish_update
     total_s: float
+    timeline: list = field(default_factory=list)
+    """``(stage, seq, start, end)`` per bucket, ``time.perf_counter()`` seconds (CLOCK_MONOTONIC,
+    comparable across processes of one host); stages ``recv``, ``verify`` (calling thread), ``apply``."""
 
 
 class _SyncState:
@@ -138,32 +143,47 @@ class BucketReceiver:
         end = time.monotonic() + timeout_s
         st: _SyncState | None = None
         stats = ApplyStats("", 0, 0, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        stage = ApplyStage(self.adapter, transport, max(1, int(getattr(transport, "max_held", 1))), stats.timeline)
         try:
             while st is None or not st.complete:
+                stage.hold(_left(end, timeout_s))
                 tw = time.perf_counter()
                 header, payload = transport.recv(_left(end, timeout_s))
                 stats.wait_s += time.perf_counter() - tw
+                stats.timeline.append(("recv", -1, tw, time.perf_counter()))
+                bucket = None
                 try:
-                    st = self._on_frame(st, header, payload, stats)
-                finally:
+                    st, bucket = self._on_frame(st, header, payload, stats)
+                finally:  # every received frame goes through the stage: released in arrival order
+                    if bucket is None:
+                        stage.put(None, None, -1, 0)
+                    else:
+                        stage.put(bucket.entries, payload, bucket.seq, bucket.payload_nbytes)
                     payload = None
-                    transport.release()
+            stage.wait_idle(_left(end, timeout_s))
+            stats.apply_s, stats.buckets, stats.entries, stats.payload_bytes = (
+                stage.apply_s, stage.buckets, stage.entries, stage.payload_bytes)
             tf = time.perf_counter()
             self.adapter.finish_update()
             stats.finish_s = time.perf_counter() - tf
             transport.reply(encode(Ack(session=st.session, version=st.version, receiver=self.receiver,
                                        num_entries=stats.entries, payload_bytes=stats.payload_bytes)), _left(end, timeout_s))
         except BaseException as exc:
+            stage.close()  # no apply runs past this point; queued frames are released unapplied
             self._fail(transport, st or self._starting, exc, end)
             raise
         finally:
+            stage.close()
             self._starting = None
         if commit:
             self.adapter.commit(st.version)
         stats.session, stats.version, stats.total_s = st.session, st.version, time.perf_counter() - t0
         return stats
 
-    def _on_frame(self, st: _SyncState | None, header: bytes, payload, stats: ApplyStats) -> _SyncState:
+    def _on_frame(self, st: _SyncState | None, header: bytes, payload,
+                  stats: ApplyStats) -> tuple[_SyncState, BucketHeader | None]:
+        """Decode and check one frame; returns the state and, for a bucket, its verified header
+        (the caller queues it for applying)."""
         tv = time.perf_counter()
         msg = decode(header)
         if isinstance(msg, Begin):
@@ -173,31 +193,23 @@ class BucketReceiver:
                 self.adapter.begin_update(msg.version, list(dict.fromkeys(e.name for e in st.plan.entries)))
             else:
                 st.check_begin(msg)
-            return st
+            return st, None
         if isinstance(msg, Abort):
             if st is None or (msg.session, msg.version) != (st.session, st.version):
-                return st  # a late abort of an earlier, already failed sync
+                return st, None  # a late abort of an earlier, already failed sync
             raise SyncAbortedError(msg.sender, f"sender {msg.sender} aborted sync {msg.session}/v{msg.version}: {msg.reason}")
         if st is None:
             raise ProtocolError("message", f"{type(msg).__name__} before any begin")
         if isinstance(msg, Commit):
             st.check_commit(msg)
-            return st
+            return st, None
         if not isinstance(msg, BucketHeader):
             raise ProtocolError("message", f"unexpected {type(msg).__name__} on the data channel")
         verify_mac(msg, self.secret)
-        entries = st.check_bucket(msg, payload)
-        ta = time.perf_counter()
-        stats.verify_s += ta - tv
-        buf = as_byte_tensor(payload)
-        for e in entries:
-            self.adapter.apply(e.name, e.box, entry_view(buf, e))
-        del buf
-        stats.apply_s += time.perf_counter() - ta
-        stats.buckets += 1
-        stats.entries += len(entries)
-        stats.payload_bytes += msg.payload_nbytes
-        return st
+        st.check_bucket(msg, payload)
+        stats.verify_s += time.perf_counter() - tv
+        stats.timeline.append(("verify", msg.seq, tv, time.perf_counter()))
+        return st, msg
 
     def _fail(self, transport: TransportReceiver, st: _SyncState | None, exc: BaseException, end: float) -> None:
         try:

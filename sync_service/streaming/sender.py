@@ -5,7 +5,9 @@
     stats = sender.send_sync(session, version, source, plan, names=None, timeout_s=60)
 
 The calling thread fills bucket k+1 (``WeightSource.fill`` writes straight into the bucket view)
-and computes its checksum while a sender thread hands bucket k to the transport. ``send_sync``
+and hashes each entry right after its fill, while it is still in cache, while a sender thread hands
+bucket k to the transport. A transport that lends its own buffers (``reserve``: the shm ring) is
+filled in place, so the bucket *is* the transport's slot and sending copies nothing. ``send_sync``
 returns once every receiver acked the whole sync (applied + finished, not yet committed).
 """
 
@@ -15,8 +17,9 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from protocols.interfaces import TransportSender, WeightSource
@@ -24,10 +27,10 @@ from protocols.wire import (
     Abort, Ack, Begin, BucketHeader, Commit, Error, PlanEntry, ProtocolError, SyncPlan, decode, encode,
     plan_digest, seal,
 )
-from sync_service.streaming.checksum import checksum
+from sync_service.streaming.checksum import RunningChecksum
 from sync_service.streaming.plan import buckets_of, subset_plan
 from sync_service.streaming.pool import BucketPool
-from sync_service.streaming.views import entry_view
+from sync_service.streaming.views import as_byte_tensor, entry_view
 
 
 class RemoteSyncError(RuntimeError):
@@ -50,10 +53,16 @@ class SendStats:
     buckets: int
     entries: int
     payload_bytes: int
-    pack_s: float       # filling buckets + checksums (calling thread)
+    pack_s: float       # filling buckets + checksums (calling thread) = fill_s + checksum_s
     transfer_s: float   # inside Transport.send (sender thread; overlaps packing)
     ack_wait_s: float   # after the last send until every receiver acked
     total_s: float
+    fill_s: float = 0.0        # WeightSource.fill into bucket views
+    checksum_s: float = 0.0    # xxh3 of each entry right after its fill
+    buffer_wait_s: float = 0.0  # waiting for a free bucket / ring slot (back-pressure)
+    timeline: list = field(default_factory=list)
+    """``(stage, seq, start, end)`` per bucket, ``time.perf_counter()`` seconds (CLOCK_MONOTONIC:
+    comparable across processes of one host); stages ``pack`` (calling thread), ``send`` (sender thread)."""
 
 
 def pack_bucket(source: WeightSource, entries: Sequence[PlanEntry], buf_u8: torch.Tensor) -> int:
@@ -61,6 +70,24 @@ def pack_bucket(source: WeightSource, entries: Sequence[PlanEntry], buf_u8: torc
     for e in entries:
         source.fill(e.name, e.box, entry_view(buf_u8, e))
     return entries[-1].offset + entries[-1].nbytes if entries else 0
+
+
+def pack_and_hash(source: WeightSource, entries: Sequence[PlanEntry], arr: np.ndarray, digest: RunningChecksum,
+                  times: list[float]) -> tuple[int, int]:
+    """Fill ``entries`` into the flat uint8 bucket ``arr`` and hash each entry (with the alignment
+    gap before it) right after its fill, while it is cache-hot. Returns ``(payload bytes, xxh3_64)``,
+    equal to ``checksum(arr[:payload bytes])``; adds fill and hash seconds to ``times[0]``, ``times[1]``."""
+    buf_u8, done = as_byte_tensor(arr), 0
+    digest.reset()
+    for e in entries:
+        t0 = time.perf_counter()
+        source.fill(e.name, e.box, entry_view(buf_u8, e))
+        t1 = time.perf_counter()
+        digest.update(arr[done:e.offset + e.nbytes])
+        done = e.offset + e.nbytes
+        times[0] += t1 - t0
+        times[1] += time.perf_counter() - t1
+    return done, digest.intdigest()
 
 
 class _Deadline:
@@ -104,23 +131,27 @@ class Sender:
         begin = Begin(session=session, version=version, sender=self.sender, plan_digest=plan_digest(sub),
                       num_buckets=len(buckets), names=None if names is None else tuple(sorted(names)))
         worker = _SendWorker(self.transport, self.pool, session, version, deadline)
-        worker.put(encode(begin), None, 0)
-        pack_s, payload_bytes = 0.0, 0
+        reserve = getattr(self.transport, "reserve", None)  # transport-lent buffers: fill in place
+        times, payload_bytes, digest = [0.0, 0.0, 0.0], 0, RunningChecksum()
         try:
+            if reserve is not None:  # sent before any slot is reserved (frames go out in reservation order)
+                self.transport.send(encode(begin), None, deadline.left("sending begin"))
+            else:
+                worker.put(encode(begin), None, None)
             for seq, entries in enumerate(buckets):
-                index = worker.acquire()
+                tw = time.perf_counter()
+                index = None if reserve is not None else worker.acquire()
+                arr = reserve(deadline.left("waiting for a free ring slot")) if index is None else self.pool.array(index)
                 tp = time.perf_counter()
-                buf = self.pool.tensor(index)
-                nbytes = pack_bucket(source, entries, buf)
-                arr = self.pool.array(index)[:nbytes]
+                times[2] += tp - tw
+                nbytes, digest_value = pack_and_hash(source, entries, arr, digest, times)
                 header = seal(BucketHeader(session=session, version=version, sender=self.sender, seq=seq,
-                                           entries=entries, payload_nbytes=nbytes, checksum=checksum(arr)),
-                              self.secret)
-                pack_s += time.perf_counter() - tp
+                                           entries=entries, payload_nbytes=nbytes, checksum=digest_value), self.secret)
                 payload_bytes += nbytes
-                worker.put(encode(header), index, nbytes)
+                worker.timeline.append(("pack", seq, tp, time.perf_counter()))
+                worker.put(encode(header), index, arr[:nbytes], seq)
             worker.put(encode(Commit(session=session, version=version, sender=self.sender,
-                                     num_buckets=len(buckets), payload_bytes=payload_bytes)), None, 0)
+                                     num_buckets=len(buckets), payload_bytes=payload_bytes)), None, None)
             worker.finish()
             ta = time.perf_counter()
             self._await_acks(worker, deadline)
@@ -129,9 +160,10 @@ class Sender:
             self._abort(session, version, exc)
             raise
         return SendStats(session=session, version=version, buckets=len(buckets),
-                         entries=sum(len(b) for b in buckets), payload_bytes=payload_bytes, pack_s=pack_s,
+                         entries=sum(len(b) for b in buckets), payload_bytes=payload_bytes, pack_s=times[0] + times[1],
                          transfer_s=worker.transfer_s, ack_wait_s=time.perf_counter() - ta,
-                         total_s=time.perf_counter() - t0)
+                         total_s=time.perf_counter() - t0, fill_s=times[0], checksum_s=times[1],
+                         buffer_wait_s=times[2], timeline=sorted(worker.timeline, key=lambda x: x[2]))
 
     def _await_acks(self, worker: "_SendWorker", deadline: _Deadline) -> None:
         while len(worker.acked) < self.transport.num_receivers:
@@ -157,14 +189,16 @@ class _SendWorker:
         self.acked: set[int] = set()
         self.failure: BaseException | None = None
         self.transfer_s = 0.0
+        self.timeline: list[tuple[str, int, float, float]] = []
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="weightsync-sender", daemon=True)
         self._thread.start()
 
-    def put(self, header: bytes, index: int | None, nbytes: int) -> None:
+    def put(self, header: bytes, index: int | None, payload: np.ndarray | None, seq: int = -1) -> None:
+        """Queue a frame; ``index``: the pool buffer to release once sent (None: not a pool buffer)."""
         self._raise_failure()
-        self._q.put((header, index, nbytes))
+        self._q.put((header, index, payload, seq))
 
     def acquire(self) -> int:
         while True:
@@ -210,17 +244,19 @@ class _SendWorker:
                 if item is None:
                     return
                 continue
-            header, index, nbytes = item
+            header, index, payload, seq = item
             try:
                 if self.failure is None:
                     t = time.perf_counter()
-                    payload = None if index is None else self.pool.array(index)[:nbytes]
                     self.transport.send(header, payload, self.deadline.left("sending a bucket"))
-                    self.transfer_s += time.perf_counter() - t
+                    t1 = time.perf_counter()
+                    self.transfer_s += t1 - t
+                    if payload is not None:
+                        self.timeline.append(("send", seq, t, t1))
                     self.take_reply(self.transport.poll_reply(0.0))
             except BaseException as exc:
                 self.failure = exc
             finally:
+                payload = None
                 if index is not None:
                     self.pool.release(index)
-

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 
 import ray
 from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError
@@ -118,7 +119,12 @@ class RayReceiver:
         self.inbox = _own_inbox(f"{spec.name}-rx{receiver}", spec.slots)
         ray.get(self.inbox.ping.remote(), timeout=spec.connect_timeout_s)
         self._senders: list | None = None
-        self._current = None
+        self._held: deque = deque()  # payload arrays of frames not yet released, oldest first
+
+    @property
+    def max_held(self) -> int:
+        """Frames a caller may hold unreleased (each pins its object); ``recv`` beyond it releases the oldest."""
+        return 2
 
     def _peers(self) -> list:
         if self._senders is None:
@@ -127,7 +133,8 @@ class RayReceiver:
         return self._senders
 
     def recv(self, timeout_s: float):
-        self._current = None
+        if len(self._held) >= self.max_held:
+            self.release()
         end = time.monotonic() + timeout_s
         while True:
             left = end - time.monotonic()
@@ -140,13 +147,14 @@ class RayReceiver:
                 _get([p.ping.remote() for p in self._senders], 5.0, "Ray sender liveness")
         self._peers()
         header, refs = item
-        if refs is None:
-            return header, None
-        self._current = _get(refs[0], max(end - time.monotonic(), 1.0), "Ray object get")
-        return header, self._current
+        payload = None if refs is None else _get(refs[0], max(end - time.monotonic(), 1.0), "Ray object get")
+        self._held.append(payload)
+        return header, payload
 
     def release(self) -> None:
-        self._current = None
+        """Drops the oldest held frame's object (no-op when none is held)."""
+        if self._held:
+            self._held.popleft()
 
     def reply(self, message: bytes, timeout_s: float) -> None:
         done = _get([p.put.remote((message, None), timeout_s) for p in self._peers()], timeout_s + 5.0, "Ray reply")
@@ -154,7 +162,7 @@ class RayReceiver:
             raise TimeoutError(f"Ray transport {self.spec.name}: a sender did not take a reply within {timeout_s:.1f}s")
 
     def close(self) -> None:
-        self._current = None
+        self._held.clear()
         if self.inbox is not None:
             ray.kill(self.inbox)
             self.inbox = None

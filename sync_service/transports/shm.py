@@ -10,7 +10,10 @@ Layout of segment ``/dev/shm/<name>-s<sender>`` (all counters little-endian u64)
 
 The sender writes frame ``n`` into slot ``n % slots`` once every receiver's ``read_seq`` passed
 ``n - slots``, then bumps ``write_seq``; a receiver reads it in place (zero copy), and bumps its
-``read_seq`` on ``release``. Stores are ordered by x86-64's TSO (counters are written after data).
+``read_seq`` on ``release``. Zero-copy sending: ``ShmSender.reserve`` hands out the payload area
+of the next frame's slot, the caller fills it (the bucket *is* the slot) and ``send``s that view,
+which publishes it without a copy. A receiver may hold up to ``slots`` frames unreleased
+(``max_held``; ``release`` frees the oldest), so it can verify frame n+1 while applying frame n. Stores are ordered by x86-64's TSO (counters are written after data).
 The file is unlinked as soon as every receiver has mapped it (and on close), so no segment outlives
 its processes. Peers' pids are checked while waiting: a dead peer fails within ~0.2 s.
 """
@@ -19,7 +22,9 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 import time
+from collections import deque
 
 import numpy as np
 
@@ -79,6 +84,11 @@ class _Segment:
             pass  # a caller still holds a view; the mapping goes when it is collected
 
 
+def _same_memory(payload, area: np.ndarray) -> bool:
+    """True when ``payload`` is a numpy view starting at ``area``'s first byte (a reserved slot)."""
+    return isinstance(payload, np.ndarray) and payload.__array_interface__["data"][0] == area.__array_interface__["data"][0]
+
+
 def _sleep(spins: int) -> None:
     time.sleep(0 if spins < 50 else 0.0002 if spins < 2000 else 0.001)
 
@@ -102,24 +112,44 @@ class ShmSender:
         g[_G_MAGIC] = MAGIC
         self._unlinked = False
         self._reply_from = 0
+        self._next = 0  # next frame number to reserve or send (write_seq + frames reserved, unpublished)
 
     @property
     def num_receivers(self) -> int:
         return self.spec.num_receivers
 
+    def reserve(self, timeout_s: float) -> np.ndarray:
+        """The writable payload area (uint8, ``bucket_bytes``) of the next frame's ring slot.
+
+        Blocks until every receiver released that slot. Fill it, then ``send(header, view[:n])``:
+        published in place, no copy. Frames must be sent in reservation order; a frame sent with
+        any other payload (or none) drops reservations not yet sent (a failed sync).
+        Raises TimeoutError / PeerLostError as ``send``.
+        """
+        n = self._next
+        self._wait_slot(n, timeout_s)
+        self._next = n + 1
+        return self.seg.slot(n)[2]
+
     def send(self, header: bytes, payload, timeout_s: float) -> None:
         if len(header) > self.seg.hcap or (payload is not None and len(payload) > self.seg.payload):
             raise ValueError(f"frame too large for the ring: header {len(header)} > {self.seg.hcap} or payload > {self.seg.payload}")
         n = int(self.seg.g[_G_WSEQ])
-        self._wait(lambda: all(int(rc[_R_READ]) + self.seg.slots > n for rc in self.seg.rc), timeout_s, "a free ring slot")
         lens, hbuf, pbuf = self.seg.slot(n)
-        hbuf[:len(header)] = np.frombuffer(header, dtype=np.uint8)
         size = 0 if payload is None else len(payload)
-        if size:
-            np.copyto(pbuf[:size], np.frombuffer(payload, dtype=np.uint8) if not isinstance(payload, np.ndarray) else payload)
+        if not (size and n < self._next and _same_memory(payload, pbuf)):
+            self._next = n  # not a reserved view: reservations not yet sent are void
+            self._wait_slot(n, timeout_s)
+            if size:
+                np.copyto(pbuf[:size], payload if isinstance(payload, np.ndarray) else np.frombuffer(payload, dtype=np.uint8))
+        hbuf[:len(header)] = np.frombuffer(header, dtype=np.uint8)
         lens[0], lens[1] = len(header), size
+        self._next = max(self._next, n + 1)
         self.seg.g[_G_WSEQ] = n + 1
         self._maybe_unlink()
+
+    def _wait_slot(self, n: int, timeout_s: float) -> None:
+        self._wait(lambda: all(int(rc[_R_READ]) + self.seg.slots > n for rc in self.seg.rc), timeout_s, "a free ring slot")
 
     def poll_reply(self, timeout_s: float) -> bytes | None:
         end, spins = time.monotonic() + timeout_s, 0
@@ -179,8 +209,16 @@ class ShmReceiver:
         if not 0 <= receiver < spec.num_receivers:
             raise ValueError(f"receiver={receiver} outside [0, {spec.num_receivers})")
         self.segs = [self._attach(s) for s in range(spec.num_senders)]
-        self._current: int | None = None
+        self._read = [int(seg.rc[receiver][_R_READ]) for seg in self.segs]  # next frame to read, per sender
+        self._held: deque[int] = deque()  # senders of the frames received and not yet released, oldest first
+        self._lock = threading.Lock()
         self._next = 0
+
+    @property
+    def max_held(self) -> int:
+        """Frames a caller may hold unreleased at once (the ring's slots); ``recv`` beyond it
+        releases the oldest."""
+        return self.spec.slots
 
     def _attach(self, sender: int) -> _Segment:
         path, end = _path(self.spec, sender), time.monotonic() + self.spec.connect_timeout_s
@@ -207,17 +245,21 @@ class ShmReceiver:
         return seg
 
     def recv(self, timeout_s: float):
-        if self._current is not None:
+        """The next frame; its payload is a view of the ring slot, valid until its ``release``."""
+        if len(self._held) >= self.max_held:
             self.release()
         end, spins, check = time.monotonic() + timeout_s, 0, time.monotonic() + _LIVENESS_S
         while True:
             for k in range(len(self.segs)):
                 s = (self._next + k) % len(self.segs)
                 seg = self.segs[s]
-                n = int(seg.rc[self.receiver][_R_READ])
+                n = self._read[s]
                 if int(seg.g[_G_WSEQ]) > n:
                     lens, hbuf, pbuf = seg.slot(n)
-                    self._current, self._next = s, s + 1
+                    with self._lock:
+                        self._held.append(s)
+                        self._read[s] = n + 1
+                    self._next = s + 1
                     hlen, plen = int(lens[0]), int(lens[1])
                     return bytes(hbuf[:hlen]), (pbuf[:plen] if plen else None)
             now = time.monotonic()
@@ -235,9 +277,10 @@ class ShmReceiver:
                 raise PeerLostError(f"shm {self.spec.name}: sender {s} (pid {int(seg.g[_G_PID])}) closed or died")
 
     def release(self) -> None:
-        if self._current is not None:
-            self.segs[self._current].rc[self.receiver][_R_READ] += 1
-            self._current = None
+        """Frees the oldest held frame's slot (no-op when none is held); thread-safe."""
+        with self._lock:
+            if self._held:
+                self.segs[self._held.popleft()].rc[self.receiver][_R_READ] += 1
 
     def reply(self, message: bytes, timeout_s: float) -> None:
         if len(message) > REPLY - 64:
@@ -255,7 +298,7 @@ class ShmReceiver:
             rc[_R_RSEQ] += 1
 
     def close(self) -> None:
-        self._current = None
+        self._held.clear()
         for seg in self.segs:
             seg.close()
         self.segs = []

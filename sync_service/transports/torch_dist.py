@@ -4,11 +4,14 @@ Rendezvous: a ``TCPStore`` at ``spec.address:spec.port`` hosted by the sender (r
 ``i`` is rank ``i + 1``), keys prefixed by ``spec.name``; the group is a standalone
 ``ProcessGroupGloo`` (or ``ProcessGroupNCCL``) on it, so a trainer's own default group is untouched.
 
-A frame is three broadcasts from rank 0: a fixed-size int64[2] length prefix (header bytes,
-payload bytes), the header into a preallocated ``max_header_bytes`` buffer, then the payload into a
-preallocated ``bucket_bytes`` receive buffer (reused; the receiver copies out before the next
-``recv``). Replies go through the TCPStore (``reply/<receiver>/<n>`` + a counter). One sender only.
-With NCCL, payloads are staged through preallocated device buffers (one copy each way).
+A frame is one broadcast of a fixed ``CTRL_BYTES`` control block from rank 0 (header length,
+payload length, whether more frames of this stream follow, then the header itself; a header that
+does not fit follows in a second broadcast), then the payload into one of ``spec.slots``
+preallocated receive buffers. A receiver thread receives ahead: while the caller verifies and
+applies frame k (holding its buffer), frame k+1 already streams into the next buffer, until the
+sender's ``Commit``/``Abort`` ends the stream. Nothing is allocated per frame. Replies go through
+the TCPStore (``reply/<receiver>/<n>`` + a counter). One sender only. With NCCL, payloads are
+staged through preallocated device buffers (one copy each way).
 
 Every wait has a timeout (``Work.wait``); a timed-out or failed collective leaves the group out of
 step, so the transport is then marked broken and every later call raises ``TransportError``.
@@ -16,9 +19,13 @@ step, so the transport is then marked broken and every later call raises ``Trans
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
+from collections import deque
 from datetime import timedelta
 
+import msgpack
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -27,6 +34,23 @@ from protocols.interfaces import PeerLostError, TransportError
 from sync_service.transports.spec import TransportSpec
 
 _GROUPS = {"gloo": (dist.ProcessGroupGloo, "cpu"), "nccl": (getattr(dist, "ProcessGroupNCCL", None), "cuda")}
+CTRL_BYTES = 16 << 10
+"""Control block: u64 header length, u64 payload length, u64 more-follows, pad to 64, header bytes."""
+_CTRL_HEAD = 64
+_STREAM_END_TAGS = frozenset({"commit", "abort"})
+
+
+def _more_follows(header: bytes) -> bool:
+    """False for a frame that ends a sender's stream (``Commit``/``Abort``): the receiver then
+    stops receiving ahead. Reads only the wire tag (``[SCHEMA_VERSION, tag, ...]``)."""
+    try:
+        unpacker = msgpack.Unpacker(raw=False)
+        unpacker.feed(header[:64])
+        unpacker.read_array_header()
+        unpacker.skip()
+        return unpacker.unpack() not in _STREAM_END_TAGS
+    except Exception:
+        return False
 
 
 class _Group:
@@ -45,10 +69,9 @@ class _Group:
         self.store = dist.PrefixStore(f"weightsync/{spec.name}/", base)
         self._base = base
         self.pg = cls(self.store, rank, self.world, timedelta(seconds=spec.op_timeout_s))
-        self.prefix = torch.zeros(2, dtype=torch.int64, device=self.device)
+        self.ctrl = torch.zeros(CTRL_BYTES, dtype=torch.uint8, device=self.device)
+        self.ctrl_host = self.ctrl if self.device == "cpu" else torch.zeros(CTRL_BYTES, dtype=torch.uint8)
         self.header = torch.zeros(spec.max_header_bytes, dtype=torch.uint8, device=self.device)
-        self.payload = torch.ones(spec.bucket_bytes, dtype=torch.uint8, device=self.device)
-        self.host = None if self.device == "cpu" else torch.empty(spec.bucket_bytes, dtype=torch.uint8, pin_memory=True)
         self.broken: str | None = None
 
     def bcast(self, t: torch.Tensor, timeout_s: float, what: str) -> None:
@@ -72,6 +95,9 @@ class DistSender:
 
     def __init__(self, spec: TransportSpec, sender: int = 0):
         self.g = _Group(spec, 0)
+        self._ctrl = self.g.ctrl_host.numpy()
+        self._words = self._ctrl[:_CTRL_HEAD].view(np.uint64)
+        self._stage = None if self.g.device == "cpu" else torch.empty(spec.bucket_bytes, dtype=torch.uint8, device=self.g.device)
         self._seen = [0] * spec.num_receivers
         self._from = 0
 
@@ -82,17 +108,23 @@ class DistSender:
     def send(self, header: bytes, payload, timeout_s: float) -> None:
         g, end = self.g, time.monotonic() + timeout_s
         size = 0 if payload is None else len(payload)
-        if len(header) > g.header.numel() or size > g.payload.numel():
+        if len(header) > g.header.numel() or size > g.spec.bucket_bytes:
             raise ValueError(f"frame too large: header {len(header)} / payload {size} bytes over the spec's limits")
-        g.prefix[0], g.prefix[1] = len(header), size
-        g.bcast(g.prefix, end - time.monotonic(), "length prefix")
-        g.header[:len(header)].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
-        g.bcast(g.header[:len(header)], end - time.monotonic(), "header")
+        inline = min(len(header), CTRL_BYTES - _CTRL_HEAD)
+        self._words[0], self._words[1], self._words[2] = len(header), size, _more_follows(header)
+        self._ctrl[_CTRL_HEAD:_CTRL_HEAD + inline] = np.frombuffer(header, dtype=np.uint8, count=inline)
+        if g.ctrl is not g.ctrl_host:
+            g.ctrl.copy_(g.ctrl_host)
+        g.bcast(g.ctrl, end - time.monotonic(), "control block")
+        if len(header) > inline:
+            rest = len(header) - inline
+            g.header[:rest].copy_(torch.frombuffer(memoryview(header)[inline:], dtype=torch.uint8))
+            g.bcast(g.header[:rest], end - time.monotonic(), "header")
         if size:
             src = torch.from_numpy(np.asarray(payload, dtype=np.uint8).reshape(-1))
-            if g.device != "cpu":
-                g.payload[:size].copy_(src, non_blocking=False)
-                src = g.payload[:size]
+            if self._stage is not None:
+                self._stage[:size].copy_(src)
+                src = self._stage[:size]
             g.bcast(src, end - time.monotonic(), "payload")
 
     def poll_reply(self, timeout_s: float) -> bytes | None:
@@ -116,7 +148,7 @@ class DistSender:
 
 
 class DistReceiver:
-    """Receiver side (rank ``receiver + 1``)."""
+    """Receiver side (rank ``receiver + 1``); a thread receives ahead into ``spec.slots`` buffers."""
 
     def __init__(self, spec: TransportSpec, receiver: int = 0):
         if not 0 <= receiver < spec.num_receivers:
@@ -124,26 +156,93 @@ class DistReceiver:
         self.receiver = receiver
         self.g = _Group(spec, receiver + 1)
         self._sent = 0
+        nbuf = max(2, spec.slots)
+        self._bufs = [torch.ones(spec.bucket_bytes, dtype=torch.uint8, device=self.g.device) for _ in range(nbuf)]
+        self._host = None if self.g.device == "cpu" else [torch.empty(spec.bucket_bytes, dtype=torch.uint8, pin_memory=True)
+                                                          for _ in range(nbuf)]
+        self._arrays = [(b if self._host is None else h).numpy() for b, h in zip(self._bufs, self._host or self._bufs)]
+        self._ctrl = self.g.ctrl_host.numpy()
+        self._words = self._ctrl[:_CTRL_HEAD].view(np.uint64)
+        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for i in range(nbuf):
+            self._free.put(i)
+        self._frames: queue.SimpleQueue = queue.SimpleQueue()
+        self._go: queue.SimpleQueue = queue.SimpleQueue()
+        self._active = False
+        self._closed = False
+        self._held: deque[int | None] = deque()
+        self._thread = threading.Thread(target=self._run, name="weightsync-dist-recv", daemon=True)
+        self._thread.start()
+
+    @property
+    def max_held(self) -> int:
+        """Frames a caller may hold unreleased: one buffer stays free for receiving ahead."""
+        return len(self._bufs) - 1
 
     def recv(self, timeout_s: float):
-        g, end = self.g, time.monotonic() + timeout_s
-        g.bcast(g.prefix, timeout_s, "length prefix")
-        hlen, plen = int(g.prefix[0]), int(g.prefix[1])
-        if not 0 < hlen <= g.header.numel() or not 0 <= plen <= g.payload.numel():
-            g.broken = f"bad length prefix {hlen}/{plen}"
-            raise TransportError(f"torch_dist {g.spec.name}: length prefix {hlen}/{plen} outside the spec's limits")
-        g.bcast(g.header[:hlen], end - time.monotonic(), "header")
-        header = bytes(g.header[:hlen].cpu().numpy())
-        if not plen:
-            return header, None
-        g.bcast(g.payload[:plen], end - time.monotonic(), "payload")
-        if g.host is not None:
-            g.host[:plen].copy_(g.payload[:plen])
-            return header, g.host[:plen].numpy()
-        return header, g.payload[:plen].numpy()
+        if len(self._held) >= self.max_held:
+            self.release()
+        if not self._active and self._frames.empty():
+            self._active = True
+            self._go.put(True)
+        try:
+            item = self._frames.get(timeout=max(timeout_s, 0.0))
+        except queue.Empty:
+            raise TimeoutError(f"torch_dist {self.g.spec.name}: no frame within {timeout_s:.1f}s") from None
+        if isinstance(item, BaseException):
+            raise item
+        header, index, plen = item
+        self._held.append(index)
+        return header, (None if index is None else self._arrays[index][:plen])
 
     def release(self) -> None:
-        pass  # the buffer is overwritten only by the next recv
+        """Returns the oldest held frame's buffer for receiving ahead (no-op when none is held)."""
+        if self._held and (index := self._held.popleft()) is not None:
+            self._free.put(index)
+
+    def _run(self) -> None:
+        while self._go.get() is not None:
+            more = True
+            while more and not self._closed:
+                try:
+                    header, index, plen, more = self._receive_frame()
+                except BaseException as exc:
+                    header, more = exc, False
+                if not more:
+                    self._active = False  # before the stream's last frame is visible to recv
+                self._frames.put(header if isinstance(header, BaseException) else (header, index, plen))
+
+    def _receive_frame(self) -> tuple[bytes, int | None, int, bool]:
+        g = self.g
+        timeout_s = g.spec.op_timeout_s  # the group's own per-collective timeout
+        g.bcast(g.ctrl, timeout_s, "control block")
+        if g.ctrl is not g.ctrl_host:
+            g.ctrl_host.copy_(g.ctrl)
+        hlen, plen, more = (int(w) for w in self._words[:3])
+        if not 0 < hlen <= g.header.numel() or not 0 <= plen <= g.spec.bucket_bytes:
+            g.broken = f"bad control block {hlen}/{plen}"
+            raise TransportError(f"torch_dist {g.spec.name}: frame lengths {hlen}/{plen} outside the spec's limits")
+        inline = min(hlen, CTRL_BYTES - _CTRL_HEAD)
+        header = self._ctrl[_CTRL_HEAD:_CTRL_HEAD + inline].tobytes()
+        if hlen > inline:
+            g.bcast(g.header[:hlen - inline], timeout_s, "header")
+            header += g.header[:hlen - inline].cpu().numpy().tobytes()
+        if not plen:
+            return header, None, 0, bool(more)
+        index = self._take_buffer(timeout_s)
+        g.bcast(self._bufs[index][:plen], timeout_s, "payload")
+        if self._host is not None:
+            self._host[index][:plen].copy_(self._bufs[index][:plen])
+        return header, index, plen, bool(more)
+
+    def _take_buffer(self, timeout_s: float) -> int:
+        end = time.monotonic() + timeout_s
+        while True:
+            try:
+                return self._free.get(timeout=0.1)
+            except queue.Empty:
+                if self._closed or time.monotonic() >= end:
+                    raise TimeoutError(f"torch_dist {self.g.spec.name}: no receive buffer released within {timeout_s:.1f}s") from None
 
     def reply(self, message: bytes, timeout_s: float) -> None:
         self.g.store.set(f"reply/{self.receiver}/{self._sent}", message)
@@ -151,4 +250,8 @@ class DistReceiver:
         self.g.store.add(f"reply/{self.receiver}/n", 1)
 
     def close(self) -> None:
+        self._closed = True
+        self._go.put(None)
+        self._held.clear()
         self.g.close()
+
