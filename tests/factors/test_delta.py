@@ -113,3 +113,12 @@ def test_choose_ranks_by_saving_per_resident_byte():
     assert choose(costs, FactorPolicy(mode="merged")).factors == frozenset()
     with pytest.raises(ValueError, match="mode='fast'"):
         FactorPolicy(mode="fast")
+
+
+def test_factor_streaming_row_reports_bytes_and_equality():
+    from sync_service.factors.bench import factor_streaming_row
+
+    row = factor_streaming_row("qwen3_moe", dtype="bfloat16", num_experts=4, hidden=32, intermediate=16, r=2, ep=2)
+    assert set(row) == {"bytes", "merged_bytes", "seconds", "bitwise_equal", "engine_extra_bytes"}
+    assert row["bitwise_equal"] and 0 < row["bytes"] < row["merged_bytes"] and row["seconds"] > 0
+    assert row["engine_extra_bytes"] >= row["merged_bytes"]  # the resident pristine copies of every target
