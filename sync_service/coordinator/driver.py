@@ -120,11 +120,15 @@ class Coordinator:
             return None
         return frozenset(n for c in changed for n in c)
 
-    def transfer(self, version: int, changed: frozenset[str] | None) -> SyncMetrics:
+    def transfer(self, version: int, changed: frozenset[str] | None, lost: tuple[EngineResult, ...] = ()) -> SyncMetrics:
         """Stream the snapshot of ``version`` to every engine and commit it — or abort everywhere.
 
+        An engine whose actor died mid-stream leaves the membership: the live engines abort, the
+        channel reopens without it, and the same snapshot is streamed again, so they commit
+        ``version``; the metrics report the dead one (``committed=False``, error "... died ...").
+
         Raises:
-            SyncError: any trainer or engine failed; no engine committed ``version``.
+            SyncError: a trainer or a live engine failed; no engine committed ``version``.
         """
         if not self.engines:
             for t in self.trainers:
@@ -141,9 +145,22 @@ class Coordinator:
         send = [t.send.remote(session, version, names, timeout, check_finite=self.config.check_finite)
                 for t in self.trainers]
         sent, send_errors = self._collect(send)
+        dead = self._dead_engines() if any(send_errors) else []
+        if dead:  # the live engines stop waiting for frames that will not come
+            self._close_senders()
         received, recv_errors = self._collect(recv)
         ok = not any(send_errors) and not any(recv_errors)
-        results = []
+        if not ok:
+            dead = dead or self._dead_engines()
+            live = [e for i, e in enumerate(self.engines) if i not in dead]
+            self._get([e.abort.remote() for e in live], "abort")
+            if dead and live:
+                gone = tuple(EngineResult(engine=self.names[i], committed=False, apply_s=0.0, payload_bytes=0,
+                                          error=f"engine {self.names[i]} died during push({version}) and left the "
+                                                f"membership: {recv_errors[i]}") for i in dead)
+                self._drop(dead)
+                return self.transfer(version, changed, lost + gone)  # the same snapshot, to the live engines
+        results = list(lost)
         if ok:
             tc = time.perf_counter()
             self._get([e.commit.remote(version) for e in self.engines], "commit")
@@ -151,7 +168,6 @@ class Coordinator:
             self._full_done.update(self.names)
             self.versions.record(self.names, version)
         else:
-            self._get([e.abort.remote() for e in self.engines], "abort")
             commit_s = 0.0
         for name, stats, err in zip(self.names, received, recv_errors):
             results.append(EngineResult(engine=name, committed=ok, error=err or (None if ok else "sync aborted"),
@@ -165,6 +181,34 @@ class Coordinator:
         return metrics
 
     # -- internals -------------------------------------------------------------------------
+    def _dead_engines(self) -> list[int]:
+        """Indices of member engines whose actor is gone (a busy engine still answers: threaded actor)."""
+        refs = [e.engine_name.remote() for e in self.engines]
+        dead = []
+        for i, ref in enumerate(refs):
+            try:
+                ray.get(ref, timeout=5.0)
+            except ray.exceptions.RayActorError:
+                dead.append(i)
+            except ray.exceptions.GetTimeoutError:
+                pass
+        return dead
+
+    def _drop(self, indices: list[int]) -> None:
+        """Forget dead member engines (no call reaches them); the channel reopens without them."""
+        for i in sorted(indices, reverse=True):
+            del self.engines[i]
+            self._full_done.discard(self.names.pop(i))
+        self._connected = False
+
+    def _close_senders(self) -> None:
+        """Close the trainers' channel sides (receivers see the close, e.g. shm within ~0.2 s)."""
+        try:
+            ray.get([t.close_transport.remote() for t in self.trainers], timeout=30)
+        except Exception:
+            pass  # a dead trainer: its receivers see the peer gone
+        self._connected = False
+
     def _build_plan(self) -> SyncPlan:
         owned = self._get([t.owned_metas.remote() for t in self.trainers], "owned_metas")
         return build_sync_plan([[meta_from_list(m) for m in metas] for metas in owned],

@@ -65,6 +65,7 @@ class TrainerState:
         self.num_experts = num_experts_of(base)
         self._base_changed = True  # the first sync of a fresh trainer is full
         self._snapshots: dict[int, Snapshot] = {}
+        self._sent: Snapshot | None = None  # the last snapshot handed to source(): a retried send reuses it
         self._changed = self._changed_names()
 
     @classmethod
@@ -133,10 +134,16 @@ class TrainerState:
     def source(self, version: int) -> MergedSource:
         """Gather the snapshot's factors (collective) and build the merged source of the owned boxes.
 
+        The snapshot is kept until the next ``source`` call, so a send retried after a peer failure
+        (to the surviving engines) streams the same values.
+
         Raises:
             KeyError: no snapshot of ``version``.
         """
         snap = self._snapshots.pop(version, None)
+        if snap is None and self._sent is not None and self._sent.version == version:
+            snap = self._sent
+        self._sent = snap
         if snap is None:
             raise KeyError(f"no snapshot of version {version} on trainer rank {self.spec.rank}; call snapshot({version}) first")
         adapter = None

@@ -1,0 +1,127 @@
+"""Fixtures of the fault suite: one local Ray for the whole package (own temp dir, 2 CPUs), a tiny
+real Qwen3-MoE checkpoint + PEFT adapter, a pool of real actors (2 trainer shards, 3 transformers
+engines) shared by the tests — a test that kills an actor puts a fresh one in its place — and
+checks of the engines' weights."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+ROOT = str(Path(__file__).resolve().parents[2])
+E = 4
+TIMEOUT_S = 10.0
+
+
+@pytest.fixture(scope="package")
+def ray_local():
+    tmp = tempfile.mkdtemp(prefix="wsf", dir="/tmp")
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tmp, log_to_driver=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error", "PYTHONPATH": ROOT}})
+    try:
+        yield tmp
+    finally:
+        ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="package")
+def model_files(tmp_path_factory):
+    """(base_dir, adapter_dir): a 2-layer Qwen3-MoE (E=4, H=16, I=8, fp32) and a rank-2 LoRA on
+    attention + experts (PEFT ``target_parameters``)."""
+    from sync_service.synthetic import make_adapter, make_base
+
+    root = tmp_path_factory.mktemp("faults")
+    base = make_base("qwen3_moe", root / "base", num_experts=E, num_layers=2)
+    return base, make_adapter("qwen3_moe", base, root / "lora", kind="target_parameters", r=2)
+
+
+class Replay:
+    """The driver-side reference: the adapter after the same ``train_step``s as the trainers."""
+
+    def __init__(self, base, adapter):
+        from sync_service.local import AdapterReplay
+
+        self.base, self.replay = base, AdapterReplay(adapter)
+
+    def step(self, trainers, step: int) -> None:
+        ray.get([t.train_step.remote(step) for t in trainers], timeout=60)
+        self.replay.step(step)
+
+    def reference(self) -> dict[str, torch.Tensor]:
+        from sync_service.local import reference_state
+
+        return reference_state(self.base, self.replay.peft_config, self.replay.state)
+
+
+def engine_state(engine) -> dict[str, np.ndarray]:
+    return ray.get(engine.state.remote(), timeout=60)
+
+
+def assert_equal_state(engine, expected: dict, what: str) -> None:
+    """Bitwise equality of every served parameter with ``expected`` (numpy arrays or torch tensors)."""
+    got = engine_state(engine)
+    assert set(got) == set(expected), f"{what}: names differ {sorted(set(got) ^ set(expected))[:4]}"
+    bad = []
+    for name, want in expected.items():
+        if isinstance(want, torch.Tensor):
+            want = (want.float() if want.dtype == torch.bfloat16 else want).numpy()
+        if not np.array_equal(got[name], want):
+            bad.append(name)
+    assert not bad, f"{what}: {len(bad)} parameter(s) differ, e.g. {bad[:3]}"
+
+
+class Pool:
+    """Actors shared by the fault tests. ``trainers(ep)`` reloads the first ``ep`` trainer actors
+    (fresh factors from the adapter); ``replace(actor)`` kills ``actor`` if needed and puts a new
+    one of its kind in its place. Weight versions keep increasing across tests (``next_version``):
+    every WeightSync starts its versions above any an engine has served."""
+
+    def __init__(self, base, adapter):
+        from actors.trainer import TrainerShard
+        from sync_service.local import start_engines
+
+        self.base, self.adapter = base, adapter
+        self.trainer_actors = [TrainerShard.remote(base_dir=str(base), adapter_dir=str(adapter)) for _ in range(2)]
+        self.engines = start_engines(base, 3, prefix="e")
+        self._version = 0
+
+    def trainers(self, ep: int) -> list:
+        from sync_service.local import start_trainers
+
+        return start_trainers(self.base, self.adapter, ep=ep, reuse=self.trainer_actors[:ep])
+
+    def next_version(self) -> int:
+        self._version += 1
+        return self._version
+
+    def replace(self, actor) -> object:
+        from actors.trainer import TrainerShard
+        from sync_service.local import start_engines
+
+        ray.kill(actor, no_restart=True)
+        if actor in self.trainer_actors:
+            i = self.trainer_actors.index(actor)
+            self.trainer_actors[i] = TrainerShard.remote(base_dir=str(self.base), adapter_dir=str(self.adapter))
+            return self.trainer_actors[i]
+        i = self.engines.index(actor)
+        [self.engines[i]] = start_engines(self.base, 1, prefix=f"e{i}r")
+        return self.engines[i]
+
+    def close(self) -> None:
+        for a in self.trainer_actors + self.engines:
+            ray.kill(a)
+
+
+@pytest.fixture(scope="package")
+def pool(ray_local, model_files):
+    p = Pool(*model_files)
+    yield p
+    p.close()
