@@ -5,6 +5,11 @@ Qwen3-MoE checkpoint and a PEFT LoRA adapter on attention + experts (``target_pa
 a local Ray with 2 trainer shards (EP=2) and 2 transformers rollout engines, pushes 3 versions
 (the factors change between versions as a training step would) and verifies each on every engine
 (see ``sync_cli``). Exits non-zero if anything is unverified.
+
+``weightsync demo --rl`` runs the toy GRPO loop instead (``sync_service.rl``): trainers learn from
+rewards while ``push_async`` refreshes the engines, plus a control run with sync disabled; writes the
+reward curves as a PNG (``--png``) and, with ``--json``, ``reward_curve`` / ``control_reward_curve`` /
+``versions_seen``. Exits non-zero unless the synced reward rose and the control's did not.
 """
 
 from __future__ import annotations
@@ -25,6 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "weightsync" / "demo",
                         help="where the generated checkpoint + adapter are cached (default ~/.cache/weightsync/demo)")
     add_common_arguments(parser, versions=3)
+    parser.add_argument("--rl", action="store_true",
+                        help="run the toy GRPO loop with live weight refresh (and a control run without sync)")
+    parser.add_argument("--png", type=Path, default=Path("weightsync_rl_rewards.png"),
+                        help="--rl: where the reward-curve PNG goes (default ./weightsync_rl_rewards.png)")
 
 
 def ensure_files(cache_dir: Path) -> tuple[Path, Path]:
@@ -47,6 +56,13 @@ def ensure_files(cache_dir: Path) -> tuple[Path, Path]:
 
 def run(args: argparse.Namespace) -> int:
     from sync_service.sync_cli import quiet_libraries
+
+    if args.rl:
+        from sync_service.rl import RLConfig
+        from sync_service.rl.run import run_demo_rl
+
+        return run_demo_rl(args.cache_dir, config=RLConfig(timeout_s=args.timeout, transport=args.transport),
+                           png_path=args.png, json_path=args.json)
 
     ep, tp = resolve_parallel(args)
     quiet_libraries()

@@ -32,6 +32,8 @@ class Curve:
     lag: list[int] = field(default_factory=list)
     pushes: list[dict] = field(default_factory=list)
     seconds: float = 0.0
+    ranks_agree: bool = False
+    """Every trainer rank ended with bitwise the same full factors (identical deterministic steps)."""
 
 
 @dataclass(slots=True)
@@ -48,7 +50,7 @@ class RLResult:
                 "versions_seen": self.synced.versions, "control_versions_seen": self.control.versions,
                 "policy_lag": self.synced.lag, "control_policy_lag": self.control.lag,
                 "windows": {"synced": window_means(self.synced.rewards, w), "control": window_means(self.control.rewards, w)},
-                "pushes": self.synced.pushes, "seconds": {"synced": self.synced.seconds, "control": self.control.seconds},
+                "pushes": self.synced.pushes, "ranks_agree": self.synced.ranks_agree and self.control.ranks_agree, "seconds": {"synced": self.synced.seconds, "control": self.control.seconds},
                 "config": self.config}
 
 
@@ -117,6 +119,7 @@ def run_curve(trainers: list, engines: list, base_dir, adapter_dir, task: Target
             m = h.result(timeout=config.timeout_s * 2)
             curve.pushes.append({"version": m.version, "bytes": m.bytes, "seconds": m.seconds, "full": m.full,
                                  "backpressure_s": h.backpressure_s, "snapshot_s": h.snapshot_s})
+        curve.ranks_agree = len(set(ray.get([t.learner_digest.remote() for t in trainers], timeout=config.timeout_s))) == 1
     finally:
         sync.close()
     curve.seconds = time.perf_counter() - t0

@@ -1,0 +1,50 @@
+"""Fixtures of the live-refresh tests: one local Ray per module (own temp dir, 2 CPUs), generated files,
+and an apply-delay injector for a deliberately slow engine."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    tmp = tempfile.mkdtemp(prefix="wsrl", dir="/tmp")
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tmp, log_to_driver=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}})
+    try:
+        yield tmp
+    finally:
+        ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+class DelayedApply:
+    """An EngineAdapter wrapper whose ``apply`` sleeps ``delay_s`` first (a slow engine)."""
+
+    def __init__(self, inner, delay_s: float):
+        self.inner, self.delay_s = inner, delay_s
+
+    def apply(self, name, box, data):
+        time.sleep(self.delay_s)
+        self.inner.apply(name, box, data)
+
+    def __getattr__(self, attr):
+        return getattr(self.inner, attr)
+
+
+def _set_apply_delay(actor, delay_s: float) -> None:
+    inner = actor.engine.inner if isinstance(actor.engine, DelayedApply) else actor.engine
+    actor.engine = DelayedApply(inner, delay_s) if delay_s else inner
+    if actor._receiver is not None:
+        actor._receiver.adapter = actor.engine
+
+
+def set_apply_delay(engine, delay_s: float) -> None:
+    """Make a RolloutEngine actor sleep ``delay_s`` before every apply (0: back to normal)."""
+    ray.get(engine.__ray_call__.remote(_set_apply_delay, delay_s), timeout=60)
