@@ -48,6 +48,7 @@ class RolloutEngine:
         self.engine = ENGINES[engine](model_dir)
         self._receiver = None
         self._transport = None
+        self._factor_engine = None  # sync_service.factors.FactorEngine over self.engine, for factor plans
 
     def engine_name(self) -> str:
         return self.name
@@ -70,7 +71,27 @@ class RolloutEngine:
         if not isinstance(plan, SyncPlan):
             raise ValueError(f"open_transport: plan_bytes decode to {type(plan).__name__}, not a SyncPlan")
         self._transport = open_receiver(TransportSpec.from_bytes(spec_bytes), receiver=receiver)
-        self._receiver = BucketReceiver(self.engine, plan, receiver=receiver, secret=secret)
+        self._receiver = BucketReceiver(self._updater_for(plan), plan, receiver=receiver, secret=secret)
+
+    def _updater_for(self, plan: SyncPlan):
+        """The engine itself, or for a factor plan the ``FactorEngine`` over it (kept across channel
+        reopens of the same plan, so its resident pristine copies survive membership changes)."""
+        if not any(e.recipe is not None for e in plan.entries):
+            self._factor_engine = None
+            return self.engine
+        from sync_service.factors.receiver import FactorEngine
+
+        if self._factor_engine is None or self._factor_engine.plan != plan:
+            self._factor_engine = FactorEngine(self.engine, plan)
+        return self._factor_engine
+
+    def factor_state(self) -> dict:
+        """``{"ready": bool, "resident_bytes": int, "merge_s": float}`` of factor streaming
+        (ready: a factor delta can apply; resident_bytes: pristine copies + factors held)."""
+        fe = self._factor_engine
+        if fe is None:
+            return {"ready": False, "resident_bytes": 0, "merge_s": 0.0}
+        return {"ready": fe.factor_ready(), "resident_bytes": fe.resident_bytes(), "merge_s": fe.merge_s}
 
     def close_transport(self) -> None:
         if self._transport is not None:
@@ -87,11 +108,11 @@ class RolloutEngine:
                 "apply_s": s.apply_s, "finish_s": s.finish_s, "total_s": s.total_s}
 
     def commit(self, version: int) -> None:
-        self.engine.commit(version)
+        (self._factor_engine or self.engine).commit(version)
         self.engine.reset_caches()
 
     def abort(self) -> None:
-        self.engine.abort()
+        (self._factor_engine or self.engine).abort()
 
     def generate(self, prompt_token_ids: list[int], max_new_tokens: int) -> tuple[list[int], int | None]:
         """Greedy tokens and the weight version that produced them (hf engine)."""

@@ -66,6 +66,7 @@ class TrainerShardCore:
         self.state: TrainerState | None = None
         self._sender = None
         self._plan: SyncPlan | None = None
+        self._factors = None  # sync_service.factors.trainer.FactorTrainer, in factor modes
         self._full_shapes: dict[str, tuple[int, ...]] = {}
 
     # -- setup -----------------------------------------------------------------------------
@@ -176,7 +177,9 @@ class TrainerShardCore:
         t0 = time.perf_counter()
         try:
             self._state().merge.check_finite = check_finite
-            source = _TimedSource(self._state().source(version))
+            plain = self._factors is None or not any(e.recipe is not None for e in self._plan.entries)
+            source = _TimedSource(self._state().source(version) if plain
+                                  else self._factors.source(self._state(), version, self._plan))
         except BaseException:
             self._state().drop_snapshot(version)
             raise
@@ -190,6 +193,33 @@ class TrainerShardCore:
 
     def drop_snapshot(self, version: int) -> None:
         self._state().drop_snapshot(version)
+
+    # -- factor streaming (sync_service/factors; SyncConfig.mode "factors" | "auto") ------------
+    def factor_costs(self) -> list[list]:
+        """Per changed tensor ``[name, merged_bytes, factor_bytes, pristine_bytes, why_not]``."""
+        return self._factor_state().costs(self._state())
+
+    def factor_recipes(self, names: list[str], experts_per_recipe: int, bucket_bytes: int) -> list[list]:
+        """The recipe blocks of ``names`` (``protocols.recipe.recipe_list`` lists)."""
+        return self._factor_state().recipes(self._state(), names, experts_per_recipe=experts_per_recipe,
+                                            bucket_bytes=bucket_bytes)
+
+    def factor_delta(self, version: int) -> list[str]:
+        """Gather ``version``'s factors (collective) and return this rank's changed recipe blocks."""
+        return self._factor_state().delta(self._state(), version, self._plan, self.spec.rank)
+
+    def factor_committed(self, version: int) -> None:
+        self._factor_state().ledger.commit(version)
+
+    def factor_forget(self) -> None:
+        self._factor_state().ledger.forget()
+
+    def _factor_state(self):
+        if self._factors is None:
+            from sync_service.factors.trainer import FactorTrainer
+
+            self._factors = FactorTrainer()
+        return self._factors
 
     def _state(self) -> TrainerState:
         if self.state is None:

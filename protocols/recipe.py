@@ -98,3 +98,12 @@ def recipe_list(r: Recipe) -> list:
             None if r.term_experts is None else list(r.term_experts),
             None if r.experts is None else list(r.experts), list(r.rows), list(r.cols), r.rank,
             float(r.scaling), r.x_at, r.y_at, r.x_t, r.y_t]
+
+
+def recipe_from_list(v: list) -> Recipe:
+    """Inverse of ``recipe_list`` for trusted, already validated values (between own processes);
+    data from the wire goes through ``protocols.recipe_check.check_recipe`` instead."""
+    pair = lambda p: None if p is None else (p[0], p[1])  # noqa: E731
+    return Recipe(target=v[0], target_dtype=v[1], target_shape=tuple(v[2]), term=v[3], term_experts=pair(v[4]),
+                  experts=pair(v[5]), rows=tuple(v[6]), cols=tuple(v[7]), rank=v[8], scaling=v[9], x_at=v[10],
+                  y_at=v[11], x_t=v[12], y_t=v[13])

@@ -59,6 +59,15 @@ class SyncConfig:
     max_staleness: int = 1
     """k: rollouts may use weight versions >= latest pushed - k (``wait_for_fresh``, ``is_stale``);
     0 = on-policy. With k >= ``max_in_flight`` the bound holds without any rollout-side wait."""
+    mode: str = "merged"
+    """``"merged"``: trainers merge, engines receive merged tensors. ``"factors"``: after a full sync
+    (which carries the pristine base), every eligible LoRA target moves as its factors and the engine
+    merges them bitwise as the trainer would (``sync_service/factors``). ``"auto"``: per tensor, from
+    bytes moved and ``factor_memory_bytes``. See docs/scale.md."""
+    factor_memory_bytes: int | None = None
+    """Per engine budget for the resident pristine base copies of factor mode, bytes; ``None``: no limit."""
+    experts_per_recipe: int = 8
+    """Experts per factor block: the granularity of a factor delta."""
 
     def __post_init__(self) -> None:
         from sync_service.coordinator.driver import TRANSPORT_KINDS
@@ -69,6 +78,10 @@ class SyncConfig:
             raise ValueError(f"SyncConfig.bucket_bytes={self.bucket_bytes} must be a positive multiple of 64")
         if self.timeout_s <= 0:
             raise ValueError(f"SyncConfig.timeout_s={self.timeout_s} must be > 0")
+        from sync_service.factors.choose import FactorPolicy
+
+        FactorPolicy(mode=self.mode, factor_memory_bytes=self.factor_memory_bytes,
+                     experts_per_recipe=self.experts_per_recipe)  # raises ValueError naming the field
         if self.max_in_flight < 1 or self.max_staleness < 0:
             raise ValueError(f"SyncConfig.max_in_flight={self.max_in_flight} must be >= 1 and "
                              f"max_staleness={self.max_staleness} >= 0")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import replace
 
 import ray
 
@@ -31,6 +32,18 @@ from sync_service.coordinator.planning import build_sync_plan, validate_plan
 from sync_service.coordinator.versions import VersionBoard
 from sync_service.security import new_secret
 from sync_service.transports import TransportSpec
+
+def _factor_coordination(config, trainers, get):
+    """``FactorCoordination`` for ``SyncConfig.mode`` "factors" / "auto", ``None`` in merged mode."""
+    if getattr(config, "mode", "merged") == "merged":
+        return None
+    from sync_service.factors.choose import FactorPolicy
+    from sync_service.factors.coordination import FactorCoordination
+
+    policy = FactorPolicy(mode=config.mode, factor_memory_bytes=config.factor_memory_bytes,
+                          experts_per_recipe=config.experts_per_recipe)
+    return FactorCoordination(policy, trainers, get)
+
 
 # SyncConfig.transport -> TransportSpec.kind
 TRANSPORT_KINDS = {"ray": "ray", "torch": "torch_dist", "shm": "shm"}
@@ -54,6 +67,7 @@ class Coordinator:
         self._secret = config.secret if config.secret is not None else new_secret()  # HMAC key of every bucket
         self._epoch = 0
         self._connected = False
+        self._factors = _factor_coordination(config, self.trainers, self._get)
         self._plan = self._build_plan()
         self._plan_bytes = encode(self._plan)
         for engine in engines:
@@ -88,6 +102,8 @@ class Coordinator:
             self._full_done.add(name)
         self._append(engine, name, table, joined.version)
         self.joins.append(joined)
+        if self._factors is not None:
+            self._factors.stale = True  # a peer copy carries no pristine base: the next push is full
         self._connected = False
         return name
 
@@ -139,6 +155,9 @@ class Coordinator:
             self._connect()
         full = changed is None or any(n not in self._full_done for n in self.names)
         names = None if full else sorted(changed)
+        if self._factors is not None:  # factor streaming: full, or changed merged tensors + changed factor blocks
+            delta = self._factors.names(version, changed, full)
+            full, names = delta is None, None if delta is None else sorted(delta)
         session = f"{self._channel_id}-{self._epoch}-v{version}"
         timeout = self.config.timeout_s
         recv = [e.receive.remote(timeout) for e in self.engines]
@@ -167,14 +186,20 @@ class Coordinator:
             commit_s = time.perf_counter() - tc
             self._full_done.update(self.names)
             self.versions.record(self.names, version)
+            if self._factors is not None:
+                self._factors.committed(version)
         else:
             commit_s = 0.0
+            if self._factors is not None:
+                self._factors.failed()
         for name, stats, err in zip(self.names, received, recv_errors):
             results.append(EngineResult(engine=name, committed=ok, error=err or (None if ok else "sync aborted"),
                                         apply_s=stats["apply_s"] if stats else 0.0,
                                         payload_bytes=stats["payload_bytes"] if stats else 0))
         metrics = SyncMetrics.from_stats(version=version, full=full, sent=[s for s in sent if s],
                                          engines=results, commit_s=commit_s, seconds=time.perf_counter() - t0)
+        if self._factors is not None:
+            metrics = replace(metrics, mode=self.config.mode, factor_tensors=tuple(sorted(self._factors.choice.factors)))
         if not ok:
             detail = "; ".join(e for e in send_errors + recv_errors if e)
             raise SyncError(f"push({version}) aborted on every engine: {detail[:2000]}", metrics)
@@ -211,6 +236,9 @@ class Coordinator:
 
     def _build_plan(self) -> SyncPlan:
         owned = self._get([t.owned_metas.remote() for t in self.trainers], "owned_metas")
+        if self._factors is not None:
+            return self._factors.build_plan([[meta_from_list(m) for m in metas] for metas in owned],
+                                            bucket_bytes=self.config.bucket_bytes)
         return build_sync_plan([[meta_from_list(m) for m in metas] for metas in owned],
                                bucket_bytes=self.config.bucket_bytes)
 
@@ -224,7 +252,7 @@ class Coordinator:
         if name in self.names:
             name = f"{name}#{len(self.names)}"
         table = [meta_from_list(m) for m in raw]
-        validate_plan(self._plan, table, engine=name)
+        (validate_plan if self._factors is None else self._factors.validate)(self._plan, table, engine=name)
         return name, table
 
     def _append(self, engine, name: str, table: list, version: int | None) -> None:

@@ -33,6 +33,8 @@ class SyncMetrics:
     ``apply_s`` the slowest engine's apply copies, ``commit_s`` the commit round.
     ``seconds`` is the wall time of the transfer (after the snapshot), ``bytes`` the payload bytes
     sent by all trainers (each frame reaches every engine), ``gb_per_s`` = bytes / seconds / 1e9.
+    ``mode`` is ``SyncConfig.mode``; ``factor_tensors`` the tensors streamed as LoRA factors and
+    merged by the engines (``sync_service/factors``), empty in merged mode.
     """
 
     version: int
@@ -47,6 +49,8 @@ class SyncMetrics:
     apply_s: float
     commit_s: float
     engines: tuple[EngineResult, ...] = field(default_factory=tuple)
+    mode: str = "merged"
+    factor_tensors: tuple[str, ...] = ()
 
     @property
     def gb_per_s(self) -> float:

@@ -56,6 +56,7 @@ class FactorEngine:
 
     def __init__(self, engine, plan: SyncPlan, *, config: FactorReceiverConfig | None = None) -> None:
         self.inner = engine
+        self.plan = plan
         self.config = config or FactorReceiverConfig()
         self.device = torch.device(self.config.pristine_device)
         self._recipes: dict[str, Recipe] = {e.name: e.recipe for e in plan.entries if e.recipe is not None}

@@ -1,0 +1,66 @@
+"""Coordinator side of factor streaming (``SyncConfig.mode`` = ``factors`` | ``auto``).
+
+``FactorCoordination`` plans (costs → ``choose`` → recipes → ``build_factor_plan``), validates the
+plan against each engine, decides each push's names (full: everything; delta: changed merged-mode
+tensors + every trainer's changed recipe blocks) and moves the trainers' delta baselines on commit.
+After a failed push the receivers' factor state is unknown: the next push is full (never a merge
+over a missing or stale pristine copy or factor).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+from protocols.params import ParamMeta
+from protocols.recipe import recipe_from_list
+from protocols.wire import SyncPlan
+from sync_service.factors.choose import FactorChoice, FactorPolicy, TargetCost, choose
+from sync_service.factors.plan import build_factor_plan, factor_targets, validate_factor_plan
+
+__all__ = ["FactorCoordination"]
+log = logging.getLogger("weightsync.factors")
+
+
+class FactorCoordination:
+    """Args: policy; trainers (TrainerShard handles); get: the coordinator's bounded ``ray.get``."""
+
+    def __init__(self, policy: FactorPolicy, trainers: Sequence, get: Callable[[list, str], list]) -> None:
+        self.policy, self.trainers, self._get = policy, list(trainers), get
+        self.choice: FactorChoice | None = None
+        self.plan: SyncPlan | None = None
+        self.stale = True
+        """Receivers' factor state unknown (start, failure): the next push must be full."""
+
+    def build_plan(self, owned: Sequence[Sequence[ParamMeta]], *, bucket_bytes: int) -> SyncPlan:
+        (costs,) = self._get([self.trainers[0].factor_costs.remote()], "factor_costs")
+        self.choice = choose([TargetCost(name=c[0], merged_bytes=c[1], factor_bytes=c[2], pristine_bytes=c[3], why_not=c[4])
+                              for c in costs], self.policy)
+        (raw,) = self._get([self.trainers[0].factor_recipes.remote(sorted(self.choice.factors), self.policy.experts_per_recipe,
+                                                                   bucket_bytes)], "factor_recipes")
+        self.plan = build_factor_plan(owned, [recipe_from_list(r) for r in raw], bucket_bytes=bucket_bytes)
+        return self.plan
+
+    def validate(self, plan: SyncPlan, table: Sequence[ParamMeta], *, engine: str) -> None:
+        validate_factor_plan(plan, table, engine=engine)
+
+    def names(self, version: int, changed: frozenset[str] | None, full: bool) -> frozenset[str] | None:
+        """The push's names (``None``: full). Runs every trainer's ``factor_delta`` (a collective)."""
+        full = full or self.stale or changed is None
+        deltas = self._get([t.factor_delta.remote(version) for t in self.trainers], "factor_delta")
+        if full:
+            return None
+        names = set(changed - factor_targets(self.plan))
+        for d in deltas:
+            names.update(d)
+        log.info("push(%d): factor delta of %d recipe block(s), %d merged tensor(s)", version,
+                 len(names) - len(set(changed - factor_targets(self.plan))), len(set(changed - factor_targets(self.plan))))
+        return frozenset(names)
+
+    def committed(self, version: int) -> None:
+        self._get([t.factor_committed.remote(version) for t in self.trainers], "factor_committed")
+        self.stale = False
+
+    def failed(self) -> None:
+        self._get([t.factor_forget.remote() for t in self.trainers], "factor_forget")
+        self.stale = True

@@ -1,0 +1,68 @@
+"""Trainer-rank side of factor streaming behind the ``TrainerShard`` actor (plain values in and out).
+
+``FactorTrainer`` answers the coordinator's planning questions from the adapter's *structure*
+(zero-filled full-size factors normalised by the merge core, as ``TrainerState`` does for its
+changed names), computes a version's changed recipe blocks (which gathers the factors, so it is a
+collective over the trainer group, like ``TrainerState.source``), and hands ``send`` the prepared
+``FactorSource``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from protocols.recipe import recipe_list
+from protocols.wire import SyncPlan
+from sync_service.factors.plan import adapter_recipes, recipe_names_of, target_costs
+from sync_service.factors.source import FactorLedger, FactorSource
+from sync_service.merge.adapter import LoraAdapter, adapter_from_state_dict
+from sync_service.merge.source import MergedSource
+
+__all__ = ["FactorTrainer", "structural_adapter"]
+
+
+def structural_adapter(state) -> LoraAdapter:
+    """The adapter of a ``TrainerState`` with zero factors: terms, selections, ranks, scalings only."""
+    from sync_service.sharding.trainer_state import _full_shape, _peer_expert_keys
+
+    if state.peft_config is None:
+        return LoraAdapter()
+    full = {k: torch.zeros(_full_shape(k, v, state.spec, state.num_experts), dtype=v.dtype) for k, v in state.factors.items()}
+    full.update(_peer_expert_keys(full, state.spec, state.num_experts))
+    return adapter_from_state_dict(state.peft_config, full, state.base.layout, state.base.metas(),
+                                   tied_aliases=state.base.tied_aliases)
+
+
+class FactorTrainer:
+    """Factor-streaming state of one trainer rank: the delta ledger and sources prepared per version."""
+
+    def __init__(self) -> None:
+        self.ledger = FactorLedger()
+        self._prepared: dict[int, MergedSource] = {}
+
+    def costs(self, state) -> list[list]:
+        """``[name, merged_bytes, factor_bytes, pristine_bytes, why_not]`` per changed tensor."""
+        out_dtype = state.merge.out_dtype
+        adapter = structural_adapter(state)
+        outs = {m.name: out_dtype for m in state.base.metas()} if out_dtype else {}
+        return [[c.name, c.merged_bytes, c.factor_bytes, c.pristine_bytes, c.why_not]
+                for c in target_costs(adapter, state.base.metas(), outs)]
+
+    def recipes(self, state, names: list[str], *, experts_per_recipe: int, bucket_bytes: int) -> list[list]:
+        """Every recipe block of ``names`` (msgpack-able lists, ``protocols.recipe.recipe_list``)."""
+        recipes = adapter_recipes(structural_adapter(state), state.base.metas(), names,
+                                  experts_per_recipe=experts_per_recipe, bucket_bytes=bucket_bytes)
+        return [recipe_list(r) for r in recipes]
+
+    def delta(self, state, version: int, plan: SyncPlan, rank: int) -> list[str]:
+        """Gather the snapshot's factors (collective), keep the source for ``source(version)``, and
+        return this rank's recipe blocks whose bytes differ from the last committed version's."""
+        merged = self._prepared.get(version) or state.source(version)  # a retried push reuses it
+        self._prepared = {version: merged}
+        return self.ledger.changed(version, FactorSource(merged, plan), recipe_names_of(plan, rank))
+
+    def source(self, state, version: int, plan: SyncPlan) -> FactorSource:
+        """The version's ``FactorSource`` (prepared by ``delta`` when it ran; otherwise built now)."""
+        merged = self._prepared.get(version) or state.source(version)
+        self._prepared = {version: merged}  # kept until the next version: a push retried without a dead engine
+        return FactorSource(merged, plan)
