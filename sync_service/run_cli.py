@@ -142,7 +142,7 @@ def execute(cfg: DeployConfig, address: str | None, json_path: Path | None) -> i
                   f"{placed['transport']} ({placed['transport_reason']})", flush=True)
             sync = WeightSync(trainers=deployment.trainers, engines=deployment.engines, config=SyncConfig(
                 transport=placed["transport"], bucket_bytes=cfg.sync.bucket_bytes, timeout_s=cfg.sync.timeout_s,
-                delta=cfg.sync.delta))
+                delta=cfg.sync.delta, secret=secret))  # None: the coordinator makes a fresh per-session secret
             replay = AdapterReplay(cfg.model.adapter) if cfg.model.adapter is not None else None
             print_header()
             rows = run_versions(cfg, deployment, sync, replay=replay)
