@@ -8,7 +8,9 @@ provider over a local shard (global boxes → local offsets); keep the protocol 
 from __future__ import annotations
 
 import json
+import mmap
 import re
+import struct
 from collections import defaultdict
 from collections.abc import Mapping
 from pathlib import Path
@@ -41,6 +43,35 @@ def layer_order_key(name: str) -> tuple[int, int, str]:
     if m:
         return (1, int(m.group(1)), "")
     return (0 if "embed" in name else 2, 0, "")
+
+
+class MappedSafetensors:
+    """One safetensors file mapped copy-on-write; tensors come back as zero-copy views of the page cache.
+
+    Format (huggingface/safetensors README): 8-byte little-endian header length N, N bytes of JSON
+    (``{key: {"dtype", "shape", "data_offsets": [begin, end]}}``, offsets relative to the data), data.
+    Pages are read on first touch only, so a box costs the bytes it covers. The mapping is private:
+    a caller writing into a view never changes the file (the protocol says callers do not write).
+    """
+
+    def __init__(self, path: str):
+        with open(path, "rb") as fh:
+            self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+        (header_len,) = struct.unpack_from("<Q", self._map, 0)
+        self._header: dict = json.loads(self._map[8:8 + header_len])
+        self._data_start = 8 + header_len
+        self._raw = torch.frombuffer(self._map, dtype=torch.uint8)
+        self._views: dict[str, torch.Tensor | None] = {}
+
+    def tensor(self, key: str) -> torch.Tensor | None:
+        """The whole tensor ``key`` as a view, or ``None`` if its bytes are not aligned to its dtype."""
+        if key not in self._views:
+            info = self._header[key]
+            dtype = getattr(torch, _ST_DTYPES[info["dtype"]])
+            begin, end = (self._data_start + o for o in info["data_offsets"])
+            aligned = begin % dtype.itemsize == 0
+            self._views[key] = self._raw[begin:end].view(dtype).view(info["shape"]) if aligned else None
+        return self._views[key]
 
 
 @runtime_checkable
@@ -107,10 +138,12 @@ class SafetensorsBase:
         self.config: dict = json.loads(config_path.read_text())
         self.layout = layout or layout_for(self.config)
         self._handles: dict[str, object] = {}
+        self._mapped: dict[str, MappedSafetensors] = {}
         disk = self._disk_index()
         self._plans: dict[str, list[tuple[Piece, str]]] = {}
         self._metas = self._assemble(disk)
         self.tied_aliases = self._tied(disk)
+        self._by_expert = {name: _index_by_expert(plan) for name, plan in self._plans.items() if len(plan) > 1}
 
     def _disk_index(self) -> dict[str, tuple[str, str, tuple[int, ...]]]:
         """disk key → (file, wire dtype, shape)."""
@@ -180,18 +213,28 @@ class SafetensorsBase:
     def metas(self) -> list[ParamMeta]:
         return list(self._metas)
 
-    def _handle(self, file: str):
+    def _disk_values(self, key: str, file: str, slices: tuple[slice, ...]) -> torch.Tensor:
+        """``slices`` of disk tensor ``key``: a view of the mapped file (a copy via ``safe_open`` if unaligned)."""
+        if file not in self._mapped:
+            self._mapped[file] = MappedSafetensors(file)
+        whole = self._mapped[file].tensor(key)
+        if whole is not None:
+            return whole[slices]
         if file not in self._handles:
             self._handles[file] = safe_open(file, framework="pt")
-        return self._handles[file]
+        return self._handles[file].get_slice(key)[slices]
+
+    def _pieces(self, name: str, box: Box) -> list[tuple[Piece, str]]:
+        """The plan pieces that may meet ``box`` (per-expert plans are indexed by expert)."""
+        by_expert = self._by_expert.get(name)
+        if by_expert is None:
+            return self._plans[name]
+        return [p for e in range(*box[0]) for p in by_expert.get(e, ())]
 
     def read(self, name: str, box: Box) -> torch.Tensor:
-        plan = self._plans[name]
-        if len(plan) == 1 and not plan[0][0].drop_dim0 and not plan[0][0].transpose:
-            piece, file = plan[0]
-            return self._handle(file).get_slice(piece.name)[tuple(slice(a, b) for a, b in box)]
+        """A view of the mapped checkpoint when ``box`` lies in one stored tensor; else an assembled copy."""
         out = None
-        for piece, file in plan:
+        for piece, file in self._pieces(name, box):
             sub = tuple((max(a, pa), min(b, pb)) for (a, b), (pa, pb) in zip(box, piece.box))
             if any(a >= b for a, b in sub):
                 continue
@@ -199,9 +242,26 @@ class SafetensorsBase:
             tgt = rel[1:] if piece.drop_dim0 else rel
             if piece.transpose:
                 tgt = tgt[:-2] + (tgt[-1], tgt[-2])
-            values = self._handle(file).get_slice(piece.name)[tuple(slice(a, b) for a, b in tgt)]
+            values = piece.from_target(self._disk_values(piece.name, file, tuple(slice(a, b) for a, b in tgt)))
+            if sub == box:
+                return values
             if out is None:
                 out = torch.empty(box_shape(box), dtype=values.dtype)
-            out[tuple(slice(a - ba, b - ba) for (a, b), (ba, _) in zip(sub, box))] = piece.from_target(values)
+            out[tuple(slice(a - ba, b - ba) for (a, b), (ba, _) in zip(sub, box))] = values
+        if out is None and any(a == b for a, b in box):  # empty box
+            return torch.empty(box_shape(box), dtype=getattr(torch, self._meta_dtype(name)))
         assert out is not None, f"box {box} of {name} covers no piece"
         return out
+
+    def _meta_dtype(self, name: str) -> str:
+        return next(m.dtype for m in self._metas if m.name == name)
+
+
+def _index_by_expert(plan: list[tuple[Piece, str]]) -> dict[int, list[tuple[Piece, str]]] | None:
+    """Expert → pieces, for a plan of one-expert pieces (per-expert disk keys); ``None`` otherwise."""
+    if not all(piece.drop_dim0 for piece, _ in plan):
+        return None
+    index: dict[int, list[tuple[Piece, str]]] = defaultdict(list)
+    for piece, file in plan:
+        index[piece.box[0][0]].append((piece, file))
+    return dict(index)

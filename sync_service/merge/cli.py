@@ -32,12 +32,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"], help="output dtype (default: the base's)")
     parser.add_argument("--max-shard-size", default="5GB", type=parse_size, help="largest shard, e.g. 2GB, 500MB (default 5GB)")
     parser.add_argument("--staging-size", default="64MiB", type=parse_size, help="fp32 merge scratch budget (default 64MiB)")
+    parser.add_argument("--threads", default=1, type=int,
+                        help="torch intra-op threads (default 1: the merge is memory-bound in cache-sized steps; "
+                             "more threads gain little and slow down badly on a busy machine)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from sync_service.merge.export import merge_checkpoint
 
+    if args.threads < 1:
+        print(f"weightsync merge: error: --threads must be >= 1, got {args.threads}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
     try:
         summary = merge_checkpoint(
             args.base, args.adapter, args.out, target=args.target, dtype=args.dtype,

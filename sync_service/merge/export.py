@@ -2,7 +2,11 @@
 
 Validates everything (config, family, base keys, adapter keys and shapes, target, dtype) before
 the output exists; writes into a temporary sibling directory and renames it at the end, so a
-failure leaves nothing at ``out_dir``. Peak memory: one shard (plus one tensor), not the model.
+failure leaves nothing at ``out_dir``. Peak memory: one shard buffer, not the model.
+
+One buffer the size of the largest shard is allocated once and reused for every shard: each target
+tensor is a view of it that ``MergedSource.fill`` writes into (no per-tensor allocation, no extra
+copy), and ``save_file`` writes the views from their pointers.
 """
 
 from __future__ import annotations
@@ -12,9 +16,9 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
+import torch
 from safetensors.torch import save_file
 
 from protocols.params import DTYPE_BYTES
@@ -22,7 +26,7 @@ from sync_service.merge.adapter import load_adapter
 from sync_service.merge.base import SafetensorsBase
 from sync_service.merge.errors import MergeError
 from sync_service.merge.source import MergeConfig, MergedSource
-from sync_service.merge.targets import TARGETS, target_pieces
+from sync_service.merge.targets import TARGETS, Piece, target_pieces
 
 # Non-weight files of a model directory copied to the output when present.
 _COPIED = (
@@ -33,22 +37,33 @@ _COPIED = (
 _FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
 
 
-def _plan_shards(source: MergedSource, target: str, max_shard_bytes: int) -> list[list[str]]:
-    """Target tensor names grouped into shards, in layer order (greedy, like ``save_pretrained``)."""
-    shards: list[list[str]] = [[]]
+_ALIGN = 8  # bytes; every tensor view of the shard buffer starts aligned for any dtype
+
+
+def _plan_shards(source: MergedSource, target: str, max_shard_bytes: int) -> list[list[tuple[str, Piece]]]:
+    """``(hf-fused name, target piece)`` grouped into shards, in layer order (greedy, like ``save_pretrained``)."""
+    shards: list[list[tuple[str, Piece]]] = [[]]
     size = 0
     for meta in source.param_metas():
-        nbytes_el = DTYPE_BYTES[str(source.out_dtype(meta.name)).removeprefix("torch.")]
         for piece in target_pieces(target, meta.name, meta.shape, source.layout):
-            nbytes = nbytes_el
-            for n in piece.shape:
-                nbytes *= n
+            nbytes = _nbytes(source, meta.name, piece)
             if shards[-1] and size + nbytes > max_shard_bytes:
                 shards.append([])
                 size = 0
-            shards[-1].append(piece.name)
+            shards[-1].append((meta.name, piece))
             size += nbytes
     return shards
+
+
+def _nbytes(source: MergedSource, name: str, piece: Piece) -> int:
+    nbytes = DTYPE_BYTES[str(source.out_dtype(name)).removeprefix("torch.")]
+    for n in piece.shape:
+        nbytes *= n
+    return nbytes
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
 
 
 def _write_config(base_dir: Path, out: Path, dtype: str | None) -> None:
@@ -93,7 +108,9 @@ def merge_checkpoint(
         progress: tqdm bar; ``None`` shows it when stderr is a terminal.
 
     Returns:
-        ``{"tensors": n, "bytes": total, "shards": k, "seconds": t, "changed": c}``.
+        ``{"tensors": n, "bytes": total, "shards": k, "seconds": t, "setup_seconds": t0, "changed": c}``:
+        ``seconds`` is the whole call, ``setup_seconds`` its validation and adapter loading (which
+        imports PEFT, seconds on a cold start) before the first shard is merged.
 
     Raises:
         MergeError: any bad input (nothing is written), or ``out_dir`` exists and is not empty.
@@ -112,6 +129,7 @@ def merge_checkpoint(
     adapter = load_adapter(adapter_dir, base.layout, base.metas(), tied_aliases=base.tied_aliases)
     source = MergedSource(base, adapter, config=MergeConfig(out_dtype=dtype, staging_bytes=staging_bytes))
     shards = _plan_shards(source, target, max_shard_bytes)
+    setup_s = time.perf_counter() - t0
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
@@ -126,26 +144,27 @@ def merge_checkpoint(
         raise
     n = sum(len(s) for s in shards)
     return {"tensors": n, "bytes": total, "shards": len(shards), "seconds": time.perf_counter() - t0,
-            "changed": len(source.changed_names())}
+            "setup_seconds": setup_s, "changed": len(source.changed_names())}
 
 
-def _write_shards(source: MergedSource, target: str, shards: list[list[str]], out: Path, progress) -> int:
-    tensors: Iterator = source.iter_tensors(target)
+def _write_shards(source: MergedSource, target: str, shards: list[list[tuple[str, Piece]]], out: Path, progress) -> int:
+    buffer = torch.empty(max(sum(_padded(_nbytes(source, n, p)) for n, p in shard) for shard in shards), dtype=torch.uint8)
     weight_map: dict[str, str] = {}
     total = 0
     with _progress(sum(len(s) for s in shards), progress) as bar:
-        for k, names in enumerate(shards):
+        for k, shard in enumerate(shards):
             file = "model.safetensors" if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-            shard = {}
-            for expected in names:
-                name, tensor = next(tensors)
-                assert name == expected, (name, expected)
-                shard[name] = tensor
-                weight_map[name] = file
-                total += tensor.numel() * tensor.element_size()
+            tensors, offset = {}, 0
+            for name, piece in shard:
+                nbytes = _nbytes(source, name, piece)
+                view = buffer[offset:offset + nbytes].view(source.out_dtype(name)).view(piece.shape)
+                source.fill(name, piece.box, piece.from_target(view))
+                tensors[piece.name] = view
+                weight_map[piece.name] = file
+                offset += _padded(nbytes)
+                total += nbytes
                 bar.update(1)
-            save_file(shard, str(out / file), metadata={"format": "pt"})
-            del shard
+            save_file(tensors, str(out / file), metadata={"format": "pt"})
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")

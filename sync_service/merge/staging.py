@@ -2,8 +2,10 @@
 
 The scratch is allocated once (grown at most up to the budget) and reused: first-touch
 allocation runs at ~3 GB/s, copies into touched memory at ~20 GB/s (DESIGN.md, measured).
-A box larger than the budget is cut into chunks along its leading dims (experts first, then rows,
-then columns), so no step holds a whole fused [E, 2I, H] fp32 temporary.
+A box is cut into tiles along its leading dims (experts first, then rows, then columns) of at most
+``MergeConfig.tile_bytes`` (cache-sized, ~512 KiB) under the ``staging_bytes`` budget, so no step
+holds a whole fused [E, 2I, H] fp32 temporary and each tile's cast-in / add / cast-out passes run
+in cache. Tiles that no term touches skip the scratch (one cast, same values).
 """
 
 from __future__ import annotations
@@ -29,15 +31,24 @@ class Scratch:
         self.budget_bytes = budget_bytes
         self.peak_bytes = 0
         self._buf: torch.Tensor | None = None
+        self._views: dict[tuple, torch.Tensor] = {}  # (shape, dtype) → view of _buf; tiles repeat shapes
 
     def view(self, shape: Sequence[int], device: torch.device, base_dtype: torch.dtype) -> torch.Tensor:
         dtype = torch.float64 if base_dtype == torch.float64 else torch.float32
+        key = (tuple(shape), dtype)
+        cached = self._views.get(key)
+        if cached is not None and cached.device == device:
+            return cached
         nbytes = math.prod(shape) * dtype.itemsize
         assert nbytes <= self.budget_bytes, "chunking must respect the staging budget"
         if self._buf is None or self._buf.numel() < nbytes or self._buf.device != device:
             self._buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            self._views.clear()
         self.peak_bytes = max(self.peak_bytes, nbytes)
-        return self._buf[:nbytes].view(dtype).view(tuple(shape))
+        view = self._buf[:nbytes].view(dtype).view(key[0])
+        if len(self._views) < 64:
+            self._views[key] = view
+        return view
 
 
 def chunks(box: Box, budget_bytes: int, itemsize: int = _FP32_BYTES) -> Iterator[Box]:
@@ -69,28 +80,46 @@ def _intersect(sel: Sel, lo: int, hi: int) -> tuple[slice, slice] | None:
     return slice(k_lo, k_hi), slice(first, first + (k_hi - k_lo - 1) * step + 1, step)
 
 
-def apply_terms(scratch: torch.Tensor, box: Box, terms: Sequence[LoraTerm]) -> None:
-    """``scratch`` (fp32, shape ``box_shape(box)``) += every term's part inside ``box``, in place.
+Part = tuple[tuple[slice, ...], torch.Tensor, torch.Tensor, float]
+"""One term's share of a box: (index into the box's scratch, x view, y view, scaling)."""
 
-    Fused ops only (``addmm_`` / ``baddbmm_``): no temporary the size of the box.
-    """
+
+def term_parts(terms: Sequence[LoraTerm], box: Box) -> list[Part]:
+    """The share of every term inside ``box`` (empty: no term touches ``box``)."""
+    parts = []
     for term in terms:
+        if term.experts is not None and (term.experts[1] <= box[0][0] or box[0][1] <= term.experts[0]):
+            continue
         rows = _intersect(term.rows, *box[-2])
         cols = _intersect(term.cols, *box[-1])
         if rows is None or cols is None:
             continue
         (xr, lr), (yc, lc) = rows, cols
         if term.experts is None:
-            view = scratch[lr, lc]
-            view.addmm_(_as(term.x[xr], view), _as(term.y[:, yc], view), alpha=term.scaling)
+            parts.append(((lr, lc), term.x[xr], term.y[:, yc], term.scaling))
             continue
         e0, e1 = max(term.experts[0], box[0][0]), min(term.experts[1], box[0][1])
-        if e0 >= e1:
-            continue
         te = slice(e0 - term.experts[0], e1 - term.experts[0])
-        view = scratch[e0 - box[0][0]: e1 - box[0][0], lr, lc]
-        view.baddbmm_(_as(term.x[te, xr], view), _as(term.y[te, :, yc], view), alpha=term.scaling)
+        parts.append(((slice(e0 - box[0][0], e1 - box[0][0]), lr, lc), term.x[te, xr], term.y[te, :, yc], term.scaling))
+    return parts
+
+
+def apply_parts(scratch: torch.Tensor, parts: Sequence[Part]) -> None:
+    """``scratch`` += s · x @ y for every part, in place: fused ``addmm_`` / ``baddbmm_``, no temporary."""
+    for index, x, y, scaling in parts:
+        view = scratch[index]
+        if view.dim() == 2:
+            view.addmm_(_as(x, view), _as(y, view), alpha=scaling)
+        else:
+            view.baddbmm_(_as(x, view), _as(y, view), alpha=scaling)
+
+
+def apply_terms(scratch: torch.Tensor, box: Box, terms: Sequence[LoraTerm]) -> None:
+    """``scratch`` (fp32, shape ``box_shape(box)``) += every term's part inside ``box``, in place."""
+    apply_parts(scratch, term_parts(terms, box))
 
 
 def _as(factor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    if factor.dtype == like.dtype and factor.device == like.device:
+        return factor
     return factor.to(device=like.device, dtype=like.dtype)
