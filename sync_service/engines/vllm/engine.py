@@ -16,17 +16,18 @@ See ``docs/vllm.md``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from protocols.interfaces import PauseMode
-from protocols.params import Box, ParamMeta
+from protocols.params import Box, ParamMeta, box_numel, box_shape
 from sync_service.engines.hf import GenerateResult
 from sync_service.engines.vllm.config import VLLMEngineConfig
 from sync_service.engines.vllm.gate import ServeGate
-from sync_service.engines.vllm.worker import WORKER_EXTENSION
+from sync_service.engines.vllm.worker import WORKER_EXTENSION, tensor_payload
 
 __all__ = ["VLLMEngine", "VLLMGeneration"]
 
@@ -77,8 +78,12 @@ class VLLMEngine:
             worker_extension_cls=WORKER_EXTENSION,
             **kwargs,
         )
+        self._in_process = type(self._llm.llm_engine.engine_core).__name__ == "InprocClient"
         table = self._rpc("ws_init")
         self._metas = tuple(ParamMeta(name, dtype, tuple(shape)) for name, dtype, shape in table)
+        self._by_name = {m.name: m for m in self._metas}
+        self._applied: dict[str, int] = {}  # elements received per announced name (checked here, so
+        # errors keep their types whichever process layout vLLM runs in)
         self._gate = ServeGate(config.pause_timeout_s)
         self._version: int | None = None
         self._pending: int | None = None
@@ -106,8 +111,15 @@ class VLLMEngine:
         """
         if self._pending is not None:
             raise RuntimeError(f"begin_update({version}) while version {self._pending} is in progress; commit or abort it first")
+        unknown = sorted(set(names) - self._by_name.keys())
+        if unknown:
+            raise KeyError(
+                f"names not in the vLLM engine's parameter table (hf naming): {unknown[:5]} ({len(unknown)} in all); "
+                "send tensors under the keys save_pretrained writes"
+            )
         self._rpc("ws_begin", version, list(names))
         self._pending, self._finished = version, False
+        self._applied = dict.fromkeys(names, 0)
         if self._config.pause_mode is PauseMode.WAIT:
             try:
                 self._gate.close()
@@ -118,10 +130,26 @@ class VLLMEngine:
     def apply(self, name: str, box: Box, data: torch.Tensor) -> None:
         """Copy ``data`` into ``box`` of ``name`` in the worker's staging (served weights untouched).
 
+        In process the worker reads ``data`` directly; across processes it travels as raw bytes with
+        its dtype and shape (vLLM's RPC does not carry tensors intact).
+
         Raises:
-            KeyError: ``name`` not announced; ValueError: wrong box or shape.
+            KeyError: ``name`` not announced; ValueError: wrong box, shape or dtype.
         """
-        self._rpc("ws_apply", name, box, data)
+        if self._pending is None:
+            raise RuntimeError(f"apply({name!r}) without begin_update")
+        if name not in self._applied:
+            raise KeyError(f"{name!r} was not announced in begin_update({self._pending})")
+        meta = self._by_name[name]
+        shape = meta.shape
+        if str(data.dtype).removeprefix("torch.") != meta.dtype:
+            raise ValueError(f"data for {name!r} is {data.dtype}, the engine holds {meta.dtype}; cast on the trainer side")
+        if len(box) != len(shape) or any(not (0 <= a < b <= n) for (a, b), n in zip(box, shape)):
+            raise ValueError(f"box {box} of {name!r} is outside its shape {shape}")
+        if tuple(data.shape) != box_shape(box):
+            raise ValueError(f"data for {name!r} box {box} has shape {tuple(data.shape)}, expected {box_shape(box)}")
+        self._rpc("ws_apply", name, box, data if self._in_process else tensor_payload(data))
+        self._applied[name] += box_numel(box)
 
     def finish_update(self) -> dict:
         """Hold generation, then reload and post-process every vLLM module the update touched.
@@ -134,6 +162,11 @@ class VLLMEngine:
         """
         if self._pending is None or self._finished:
             raise RuntimeError("finish_update needs exactly one begin_update before it")
+        bad = {n: (a, math.prod(self._by_name[n].shape)) for n, a in self._applied.items() if a != math.prod(self._by_name[n].shape)}
+        if bad:
+            self.abort()
+            detail = ", ".join(f"{n}: {a}/{t}" for n, (a, t) in list(bad.items())[:5])
+            raise ValueError(f"incomplete update, elements applied/expected: {detail} ({len(bad)} tensors); update aborted")
         self._gate.close()
         try:
             stats = self._rpc("ws_finish")

@@ -13,6 +13,7 @@ previous values into any module ``ws_finish`` already rewrote.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 
@@ -23,10 +24,34 @@ from sync_service.engines.vllm.layer_map import names_by_module, owner_modules
 from sync_service.engines.vllm.reload import reload_modules
 from sync_service.engines.vllm.store import CheckpointStore
 
-__all__ = ["WORKER_EXTENSION", "WeightSyncExtension", "WorkerSync"]
+__all__ = ["WORKER_EXTENSION", "WeightSyncExtension", "WorkerSync", "tensor_from_payload", "tensor_payload"]
 
 WORKER_EXTENSION = f"{__name__}.WeightSyncExtension"
 """Qualified name to pass as ``worker_extension_cls``."""
+
+
+def tensor_payload(data: torch.Tensor) -> tuple[str, list[int], bytes]:
+    """``(wire dtype, shape, raw little-endian bytes)`` of a CPU tensor, for RPCs that do not carry tensors."""
+    flat = data.detach().contiguous().reshape(-1)
+    return str(data.dtype).removeprefix("torch."), list(data.shape), flat.view(torch.uint8).numpy().tobytes()
+
+
+def tensor_from_payload(payload: object) -> torch.Tensor:
+    """A tensor, or a ``tensor_payload`` triple turned back into a tensor (a copy; nothing unpickled).
+
+    Raises:
+        ValueError: the triple's dtype is unknown or its byte count does not match the shape.
+    """
+    if isinstance(payload, torch.Tensor):
+        return payload
+    dtype_name, shape, raw = payload
+    dtype = getattr(torch, str(dtype_name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"payload dtype {dtype_name!r} is not a torch dtype name")
+    flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    if flat.numel() != math.prod(shape) * dtype.itemsize:
+        raise ValueError(f"payload of {flat.numel()} bytes does not hold {dtype_name}{list(shape)}")
+    return flat.view(dtype).reshape(tuple(shape))
 
 
 class WorkerSync:
@@ -62,7 +87,7 @@ class WorkerSync:
     def apply(self, name: str, box: Box, data: torch.Tensor) -> None:
         if self._pending is None:
             raise RuntimeError(f"apply({name!r}) without begin_update")
-        self.store.apply(name, tuple(tuple(d) for d in box), data)
+        self.store.apply(name, tuple(tuple(d) for d in box), tensor_from_payload(data))
 
     def finish(self) -> dict:
         """Reload every module a staged name feeds; returns ``{"modules", "tensors", "seconds"}``.
