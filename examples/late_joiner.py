@@ -16,14 +16,26 @@ import tempfile
 from pathlib import Path
 
 
-def measure(cache_dir: Path, transport: str) -> dict:
+# --medium: a larger Qwen3-MoE (≈ 25 MB fp32) so that timings are above the per-call overheads
+MEDIUM = {"num_experts": 8, "hidden": 256, "intermediate": 128, "num_layers": 4, "vocab_size": 4096}
+
+
+def files(cache_dir: Path, medium: bool, work: Path) -> tuple[Path, Path]:
+    from sync_service.demo import ensure_files
+    from sync_service.synthetic import make_adapter, make_base
+
+    if not medium:
+        return ensure_files(cache_dir)
+    base = make_base("qwen3_moe", work / "base", **MEDIUM)
+    return base, make_adapter("qwen3_moe", base, work / "lora", kind="target_parameters", r=8, lora_alpha=16)
+
+
+def measure(base: Path, adapter: Path, transport: str) -> dict:
     import ray
 
     from sync_service.api import SyncConfig, WeightSync
-    from sync_service.demo import ensure_files
     from sync_service.local import start_engines, start_trainers
 
-    base, adapter = ensure_files(cache_dir)
     trainers = start_trainers(base, adapter, ep=2)
     engines = start_engines(base, 2, prefix="engine")
     [joiner] = start_engines(base, 1, prefix="joiner")
@@ -58,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "weightsync" / "demo")
     parser.add_argument("--transport", choices=("shm", "ray", "torch"), default="shm")
+    parser.add_argument("--medium", action="store_true", help=f"a larger generated model: {MEDIUM}")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     import ray
@@ -68,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="wsjoin"))
     try:
         start_ray(tmp / "ray")
-        rows = measure(args.cache_dir, args.transport)
+        rows = measure(*files(args.cache_dir, args.medium, tmp), args.transport)
     finally:
         ray.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
