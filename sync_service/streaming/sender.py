@@ -133,6 +133,7 @@ class Sender:
         worker = _SendWorker(self.transport, self.pool, session, version, deadline)
         reserve = getattr(self.transport, "reserve", None)  # transport-lent buffers: fill in place
         times, payload_bytes, digest = [0.0, 0.0, 0.0], 0, RunningChecksum()
+        held = None  # a pool buffer acquired but not yet queued: released if packing or queueing fails
         try:
             if reserve is not None:  # sent before any slot is reserved (frames go out in reservation order)
                 self.transport.send(encode(begin), None, deadline.left("sending begin"))
@@ -140,7 +141,7 @@ class Sender:
                 worker.put(encode(begin), None, None)
             for seq, entries in enumerate(buckets):
                 tw = time.perf_counter()
-                index = None if reserve is not None else worker.acquire()
+                index = held = None if reserve is not None else worker.acquire()
                 arr = reserve(deadline.left("waiting for a free ring slot")) if index is None else self.pool.array(index)
                 tp = time.perf_counter()
                 times[2] += tp - tw
@@ -150,12 +151,15 @@ class Sender:
                 payload_bytes += nbytes
                 worker.timeline.append(("pack", seq, tp, time.perf_counter()))
                 worker.put(encode(header), index, arr[:nbytes], seq)
+                held = None
             worker.put(encode(Commit(session=session, version=version, sender=self.sender,
                                      num_buckets=len(buckets), payload_bytes=payload_bytes)), None, None)
             worker.finish()
             ta = time.perf_counter()
             self._await_acks(worker, deadline)
         except BaseException as exc:
+            if held is not None:
+                self.pool.release(held)
             worker.stop()
             self._abort(session, version, exc)
             raise
