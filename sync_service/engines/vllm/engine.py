@@ -183,7 +183,7 @@ class VLLMEngine:
         if not self._finished:
             raise RuntimeError(f"commit({version}) before finish_update")
         self._rpc("ws_commit", version)
-        self.reset_caches()
+        self._reset_prefix_cache()
         self._version, self._pending, self._finished = version, None, False
         self._gate.open()
 
@@ -191,19 +191,25 @@ class VLLMEngine:
         """Drop the update; if ``finish_update`` already rewrote modules, reload the served version. Idempotent."""
         try:
             if self._rpc("ws_abort"):
-                self.reset_caches()
+                self._reset_prefix_cache()
         finally:
             self._pending, self._finished = None, False
             self._gate.open()
 
     def reset_caches(self) -> None:
-        """Drop vLLM's prefix cache (KV blocks computed under an older version).
+        """Drop vLLM's prefix cache (KV blocks computed under an older version). ``commit`` already does.
 
-        Raises:
-            RuntimeError: vLLM refused (requests running; cannot happen while the gate is closed).
+        Outside an update, running generations finish first and new ones wait (vLLM resets only when
+        idle). Raises ``TimeoutError`` if they do not finish within ``pause_timeout_s``.
         """
-        if not self._llm.reset_prefix_cache():
-            raise RuntimeError("vLLM did not reset its prefix cache (requests still running)")
+        if self._pending is not None:  # the update owns the gate
+            self._reset_prefix_cache()
+            return
+        self._gate.close()
+        try:
+            self._reset_prefix_cache()
+        finally:
+            self._gate.open()
 
     # -- serving ---------------------------------------------------------------------------
     def generate_batch(
@@ -235,6 +241,10 @@ class VLLMEngine:
         self._llm.llm_engine.engine_core.shutdown()
 
     # -- internals -------------------------------------------------------------------------
+    def _reset_prefix_cache(self) -> None:
+        if not self._llm.reset_prefix_cache():
+            raise RuntimeError("vLLM did not reset its prefix cache (requests still running)")
+
     def _rpc(self, method: str, *args: object) -> object:
         results = self._llm.collective_rpc(method, timeout=self._config.rpc_timeout_s, args=args)
         return results[0]
