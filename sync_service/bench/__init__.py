@@ -1,0 +1,11 @@
+"""``weightsync bench``: end-to-end performance envelope of a sync next to the paths in use today.
+
+- ``model``: the generated bf16 Qwen3-MoE base (scaled by layers; 1x >= 1 GB) and its LoRA adapter.
+- ``ours``: delta / full syncs through ``WeightSync`` (2 trainer shards -> 1 and -> 4 engines).
+- ``baselines``: PEFT ``merge_and_unload`` + ``save_pretrained`` + reload; full-gather + ``ray.put``.
+- ``floor``: one cross-process copy of the same bytes through reused shared memory.
+- ``rss``: peak RSS of actor processes (psutil thread). ``report``: ratios, JSON, table, plot.
+- ``run``: the whole run (``run_bench(BenchConfig(...))``); ``cli``: the sub-command.
+
+Nothing is imported here: the floor's reader process (spawned) imports ``floor`` alone.
+"""

@@ -1,0 +1,70 @@
+"""``weightsync bench``: our sync side by side with the disk and full-gather paths and the copy floor.
+
+    weightsync bench [--sizes 1,2,4] [--bucket-mb 64] [--json PATH] [--plot PATH] [--quick]
+
+Prints the table (markdown) and the ratios against the goals; see docs/benchmarks.md "End to end".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from sync_service.bench.rows import BenchConfig
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--sizes {text!r}: give integers like 1,2,4") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"--sizes {text!r}: give integers >= 1 (multiples of the 1x model)")
+    return sizes
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = BenchConfig()
+    parser.add_argument("--sizes", type=_sizes, default=d.sizes, help="model sizes, multiples of the 1x model "
+                        "(>= 1 GB bf16; default 1,2,4)")
+    parser.add_argument("--bucket-mb", type=int, default=d.bucket_bytes >> 20, help="bucket size, MiB (default 64)")
+    parser.add_argument("--repeats", type=int, default=d.repeats, help="measured runs per row, median reported (default 3)")
+    parser.add_argument("--quick", action="store_true", help="tiny models (smoke test)")
+    parser.add_argument("--fanout-max-size", type=int, default=d.fanout_max_size,
+                        help=f"run the {d.fanout}-engine row at sizes <= this (default {d.fanout_max_size})")
+    parser.add_argument("--gather-max-size", type=int, default=d.gather_max_size,
+                        help=f"run the full-gather row at sizes <= this (default {d.gather_max_size})")
+    parser.add_argument("--disk-max-size", type=int, default=d.disk_max_size,
+                        help=f"run the disk row at sizes <= this (default {d.disk_max_size})")
+    parser.add_argument("--cache-dir", type=Path, default=d.cache_dir, help=f"generated models (default {d.cache_dir})")
+    parser.add_argument("--timeout", type=float, default=d.timeout_s, help="bound of every blocking step, s")
+    parser.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
+    parser.add_argument("--plot", type=Path, default=None, help="write a PNG plot (time and memory vs size) here")
+
+
+def run(args: argparse.Namespace) -> int:
+    """``weightsync bench`` entry (see ``sync_service/cli.py``)."""
+    import sys
+
+    from sync_service.bench.report import markdown_table, write_json, write_plot
+    from sync_service.bench.run import run_bench
+
+    try:
+        cfg = BenchConfig(sizes=args.sizes, bucket_bytes=args.bucket_mb << 20, repeats=args.repeats, quick=args.quick,
+                          fanout_max_size=args.fanout_max_size, gather_max_size=args.gather_max_size,
+                          disk_max_size=args.disk_max_size, cache_dir=args.cache_dir, timeout_s=args.timeout,
+                          json_path=args.json, plot_path=args.plot)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    report = run_bench(cfg, argv=sys.argv[2:])
+    print(markdown_table(report))
+    print()
+    for name, g in report["goals"].items():
+        value = g["value"] if not isinstance(g["value"], float) else round(g["value"], 3)
+        print(f"{name}: {json.dumps(value)} (goal {g['goal']}): {'met' if g['met'] else 'MISSED' if g['met'] is False else 'not run'}")
+    if cfg.json_path is not None:
+        write_json(report, cfg.json_path)
+    if cfg.plot_path is not None:
+        write_plot(report, cfg.plot_path)
+    return 0

@@ -1,0 +1,129 @@
+"""Ratios against the goals, the JSON document, the markdown table and the PNG plot of a bench run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from sync_service.bench.rows import ROW_KINDS, BenchConfig, Row
+
+__all__ = ["GOALS", "build_report", "markdown_table", "write_plot"]
+
+# ratio -> (numerator row, denominator row, goal as (op, bound))
+GOALS = {
+    "delta_vs_floor": ("delta", "floor", ("<=", 2.0)),
+    "disk_vs_delta": ("disk", "delta", (">=", 10.0)),
+    "gather_vs_delta": ("gather", "delta", (">=", 3.0)),
+    "fanout4_vs_fanout1": ("delta_fanout4", "delta", ("<=", 1.5)),
+}
+
+
+def _find(rows: list[Row], kind: str, size: int) -> Row | None:
+    return next((r for r in rows if r.kind == kind and r.size == size), None)
+
+
+def _ratios(rows: list[Row], size: int) -> dict[str, float | None]:
+    out = {}
+    for name, (num, den, _) in GOALS.items():
+        a, b = _find(rows, num, size), _find(rows, den, size)
+        out[name] = a.median_s / b.median_s if a and b and b.median_s > 0 else None
+    return out
+
+
+def build_report(rows: list[Row], cfg: BenchConfig, *, factor_bytes: dict[int, int], factor_streaming: dict,
+                 machine: dict) -> dict:
+    """The JSON document (see docs/benchmarks.md "End to end"). Ratios are taken at the smallest size
+    (where every row runs); ``ratios_by_size`` has them wherever both rows ran."""
+    sizes = sorted(set(cfg.sizes))
+    ref = sizes[0]
+    ratios = _ratios(rows, ref)
+    goals = {}
+    for name, (_, _, (op, bound)) in GOALS.items():
+        value = ratios[name]
+        goals[name] = {"goal": f"{op} {bound}", "value": value,
+                       "met": None if value is None else (value <= bound if op == "<=" else value >= bound)}
+
+    def extra(kind: str, kinds: tuple[str, ...] | None = None) -> dict[str, int]:
+        return {str(s): max(r.trainer_peak_extra_bytes for r in rows if r.size == s and r.kind in (kinds or (kind,)))
+                for s in sizes if any(r.size == s and r.kind in (kinds or (kind,)) for r in rows)}
+
+    ours_extra = extra("delta", ("delta", "full"))
+    budget = {str(s): 2 * cfg.bucket_bytes + factor_bytes[s] for s in sizes}
+    goals["trainer_memory"] = {
+        "goal": "trainer peak extra <= 2 x bucket + factors, flat in model size",
+        "value": ours_extra, "budget": budget,
+        "met": all(ours_extra[k] <= budget[k] for k in ours_extra)}
+    floor_s = {r.size: r.median_s for r in rows if r.kind == "floor"}
+    return {
+        "command": "weightsync bench " + " ".join(machine.get("argv", [])),
+        "machine": machine,
+        "config": {"sizes": sizes, "bucket_bytes": cfg.bucket_bytes, "repeats": cfg.repeats, "quick": cfg.quick,
+                   "ep": cfg.ep, "fanout": cfg.fanout, "fanout_max_size": cfg.fanout_max_size,
+                   "gather_max_size": cfg.gather_max_size, "disk_max_size": cfg.disk_max_size},
+        "reference_size": ref,
+        "ratios": ratios,
+        "ratios_by_size": {str(s): _ratios(rows, s) for s in sizes},
+        "goals": goals,
+        "trainer_peak_extra_bytes": ours_extra,
+        "trainer_budget_bytes": budget,
+        "gather_trainer_peak_extra_bytes": extra("gather"),
+        "disk_trainer_peak_extra_bytes": extra("disk"),
+        "bucket_bytes": cfg.bucket_bytes,
+        "factor_bytes": {str(s): factor_bytes[s] for s in sizes},
+        "factor_streaming": factor_streaming,
+        "row_kinds": ROW_KINDS,
+        "rows": [r.to_json(floor_s.get(r.size)) for r in rows],
+    }
+
+
+def markdown_table(report: dict) -> str:
+    """One line per row and size: seconds, GB/s, x floor, memory, stage seconds."""
+    head = ("| size | row | engines | GB | median s | GB/s | x floor | trainer peak RSS GB | trainer extra MB | "
+            "engine peak RSS GB | gather / merge / pack / transfer / apply s |")
+    lines = [head, "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in report["rows"]:
+        st = r["stages"]
+        stages = " / ".join(f"{st[k]:.2f}" if k in st else "-" for k in ("gather_s", "merge_s", "pack_s", "transfer_s", "apply_s"))
+        ratio = f"{r['ratio_to_floor']:.2f}" if r["ratio_to_floor"] else "-"
+        lines.append(f"| {r['size']}x | {r['kind']} | {r['engines']} | {r['bytes'] / 1e9:.3f} | {r['median_s']:.3f} | "
+                     f"{r['gb_per_s']:.3f} | {ratio} | {r['trainer_peak_rss_bytes'] / 1e9:.2f} | "
+                     f"{r['trainer_peak_extra_bytes'] / 1e6:.0f} | {r['engine_peak_rss_bytes'] / 1e9:.2f} | {stages} |")
+    return "\n".join(lines)
+
+
+def write_plot(report: dict, path: Path) -> None:
+    """Two panels (matplotlib Agg): median seconds per row vs model GB; trainer peak extra memory vs
+    model GB (ours, full-gather, disk) with the ``2 x bucket + factors`` budget."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(9, 3.6), dpi=80)
+    for kind in ROW_KINDS:
+        pts = sorted((r["model_bytes"] / 1e9, r["median_s"]) for r in report["rows"] if r["kind"] == kind)
+        if pts:
+            ax_t.plot(*zip(*pts), marker="o", label=kind)
+    ax_t.set(xlabel="model GB (bf16)", ylabel="seconds per sync (median)", yscale="log", title="time")
+    ax_t.legend(fontsize=7)
+    for kind, label in (("delta", "ours (delta/full)"), ("gather", "full-gather"), ("disk", "disk")):
+        key = {"delta": "trainer_peak_extra_bytes", "gather": "gather_trainer_peak_extra_bytes",
+               "disk": "disk_trainer_peak_extra_bytes"}[kind]
+        pts = sorted((_model_gb(report, s), v / 1e9) for s, v in report[key].items())
+        if pts:
+            ax_m.plot(*zip(*pts), marker="o", label=label)
+    pts = sorted((_model_gb(report, s), v / 1e9) for s, v in report["trainer_budget_bytes"].items())
+    ax_m.plot(*zip(*pts), linestyle="--", color="gray", label="2 x bucket + factors")
+    ax_m.set(xlabel="model GB (bf16)", ylabel="trainer peak extra RSS, GB", title="memory (one trainer process)")
+    ax_m.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _model_gb(report: dict, size: str) -> float:
+    return next(r["model_bytes"] for r in report["rows"] if str(r["size"]) == size) / 1e9
+
+
+def write_json(report: dict, path: Path) -> None:
+    path.write_text(json.dumps(report, indent=1) + "\n")

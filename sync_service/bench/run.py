@@ -1,0 +1,95 @@
+"""The whole ``weightsync bench`` run: per size, our rows, the floor, the full-gather and disk rows.
+
+One local Ray (2 CPUs, own temp dir) for the run; every row starts its own actors and kills them at
+its end (``gc`` in between), so rows never share memory. Order per size: ours (delta, full,
+fan-out), floor (the bytes of our delta sync), full-gather, disk. Then the factor-streaming row
+(``sync_service.factors.factor_streaming_row``, in process).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from sync_service.bench.baselines import run_disk, run_gather
+from sync_service.bench.floor import ShmFloor
+from sync_service.bench.model import ensure_model, model_for_size
+from sync_service.bench.ours import run_ours
+from sync_service.bench.report import build_report
+from sync_service.bench.rows import BenchConfig, Row
+from sync_service.bench.rss import RssSampler
+
+__all__ = ["run_bench", "run_floor"]
+
+
+def _say(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def run_floor(nbytes: int, cfg: BenchConfig, size: int, model_bytes: int) -> Row:
+    """``repeats`` copies of ``nbytes`` through the shm floor (after one untimed warm-up copy)."""
+    with ShmFloor(cfg.bucket_bytes, timeout_s=cfg.timeout_s) as floor:
+        floor.copy(nbytes)
+        with RssSampler({"trainer": [os.getpid()], "engine": [floor.reader_pid]}) as rss:
+            seconds = [floor.copy(nbytes) for _ in range(cfg.repeats)]
+    return Row(kind="floor", size=size, model_bytes=model_bytes, bytes=nbytes, engines=1, seconds=seconds,
+               stages={"transfer_s": sorted(seconds)[(len(seconds) - 1) // 2]},
+               trainer_peak_rss_bytes=rss.peak_bytes("trainer"), trainer_peak_extra_bytes=rss.max_extra_bytes("trainer"),
+               engine_peak_rss_bytes=rss.peak_bytes("engine"), note="writer: the bench process; reader: a spawned process")
+
+
+def _factor_streaming(quick: bool) -> dict:
+    from sync_service.factors.bench import factor_streaming_row
+
+    sizes = {} if quick else dict(num_experts=32, hidden=256, intermediate=128, num_layers=2, r=16)
+    row = factor_streaming_row("qwen3_moe", dtype="bfloat16", **sizes)
+    return {**row, "model": sizes or "factor_streaming_row defaults"}
+
+
+def run_bench(cfg: BenchConfig, *, argv: list[str] | None = None, say=_say) -> dict:
+    """Run every row the size plan allows; returns the report (``report.build_report``)."""
+    import ray
+
+    from sync_service.sync_cli import quiet_libraries, start_ray
+
+    quiet_libraries()
+    machine = {"cpus": os.cpu_count(), "load_before": os.getloadavg(), "argv": list(argv or [])}
+    rows: list[Row] = []
+    factor_bytes: dict[int, int] = {}
+    tmp = Path(tempfile.mkdtemp(prefix="wsb"))
+    cfg.cache_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="disk-", dir=cfg.work_dir or cfg.cache_dir))
+    try:
+        for size in sorted(set(cfg.sizes)):
+            shape = model_for_size(size, quick=cfg.quick)
+            say(f"{size}x: model {shape.key()} ({shape.bf16_bytes() / 1e9:.3f} GB bf16)")
+            model = ensure_model(shape, cfg.cache_dir)
+            factor_bytes[size] = model.factor_bytes()
+            if not ray.is_initialized():
+                start_ray(tmp / "ray")
+            ours = run_ours(model, cfg, size, say=say)
+            rows += ours
+            gc.collect()
+            say(f"  {size}x floor")
+            rows.append(run_floor(ours[0].bytes, cfg, size, shape.bf16_bytes()))
+            if cfg.runs("gather", size):
+                rows.append(run_gather(model, cfg, size, say=say))
+                gc.collect()
+            if cfg.runs("disk", size):
+                rows.append(run_disk(model, cfg, size, work, say=say))
+                gc.collect()
+        ray.shutdown()
+        say("factor streaming row")
+        factor_streaming = _factor_streaming(cfg.quick)
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+    machine["load_after"] = os.getloadavg()
+    return build_report(rows, cfg, factor_bytes=factor_bytes, factor_streaming=factor_streaming, machine=machine)

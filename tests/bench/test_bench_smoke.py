@@ -1,0 +1,71 @@
+"""``weightsync bench --quick``: every row runs at a tiny size and the JSON has the documented shape.
+
+Not a timed test: it checks structure and consistency (ratios equal the rows' medians), not speed.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sync_service.bench.report import GOALS
+from sync_service.bench.rows import ROW_KINDS, BenchConfig
+from sync_service.cli import main
+
+REPEATS = 3
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench")
+    out, plot = tmp / "bench.json", tmp / "bench.png"
+    rc = main(["bench", "--quick", "--sizes", "1,2", "--gather-max-size", "1", "--repeats", str(REPEATS), "--bucket-mb", "1",
+               "--cache-dir", str(tmp / "cache"), "--timeout", "300", "--json", str(out), "--plot", str(plot)])
+    assert rc == 0
+    assert plot.stat().st_size > 1000 and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return json.loads(out.read_text())
+
+
+@pytest.mark.timeout(1200)
+def test_every_row_ran_per_size_plan(report):
+    ran = {(r["kind"], r["size"]) for r in report["rows"]}
+    expected = {(k, 1) for k in ROW_KINDS} | {(k, 2) for k in ("delta", "full", "floor")}
+    assert ran == expected
+    for r in report["rows"]:
+        assert len(r["seconds"]) == REPEATS and all(s > 0 for s in r["seconds"]), r["kind"]
+        assert r["bytes"] > 0 and r["median_s"] > 0 and r["gb_per_s"] > 0
+        assert r["trainer_peak_rss_bytes"] > 0 and r["engine_peak_rss_bytes"] > 0
+        assert r["ratio_to_floor"] > 0
+    by = {(r["kind"], r["size"]): r for r in report["rows"]}
+    assert by[("delta_fanout4", 1)]["engines"] == 4 and by[("delta", 1)]["engines"] == 1
+    # delta and full sync the LoRA-touched tensors / every tensor; the floor moves the delta's bytes
+    assert by[("delta", 1)]["bytes"] < by[("full", 1)]["bytes"] == by[("gather", 1)]["bytes"]
+    assert by[("floor", 1)]["bytes"] == by[("delta", 1)]["bytes"]
+    assert set(by[("delta", 1)]["stages"]) >= {"gather_s", "merge_s", "pack_s", "transfer_s", "apply_s"}
+
+
+@pytest.mark.timeout(1200)
+def test_json_shape_and_ratios(report):
+    assert set(report["ratios"]) == set(GOALS)
+    by = {(r["kind"], r["size"]): r for r in report["rows"]}
+    for name, (num, den, _) in GOALS.items():
+        assert report["ratios"][name] == pytest.approx(by[(num, 1)]["median_s"] / by[(den, 1)]["median_s"])
+        assert report["goals"][name]["met"] in (True, False)
+    assert set(report["trainer_peak_extra_bytes"]) == {"1", "2"}
+    assert all(isinstance(v, int) for v in report["trainer_peak_extra_bytes"].values())
+    assert set(report["gather_trainer_peak_extra_bytes"]) == {"1"}
+    assert report["bucket_bytes"] == 1 << 20
+    assert report["trainer_budget_bytes"]["1"] == 2 * (1 << 20) + report["factor_bytes"]["1"]
+    fs = report["factor_streaming"]
+    assert isinstance(fs["bytes"], int) and isinstance(fs["merged_bytes"], int) and fs["bytes"] < fs["merged_bytes"]
+    assert isinstance(fs["seconds"], float) and fs["bitwise_equal"] is True
+
+
+def test_bad_settings_are_refused_with_the_value():
+    with pytest.raises(ValueError, match="sizes"):
+        BenchConfig(sizes=(0, 1))
+    with pytest.raises(ValueError, match="bucket_bytes=100"):
+        BenchConfig(bucket_bytes=100)
+    with pytest.raises(SystemExit):
+        main(["bench", "--sizes", "1,x"])
