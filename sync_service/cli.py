@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "merge": ("sync_service.merge.cli", "merge a PEFT LoRA adapter into a base checkpoint, streamed to safetensors"),
     "demo": ("sync_service.demo", "run the whole product locally on a generated Qwen3-MoE + LoRA, verify every version"),
     "sync": ("sync_service.sync_cli", "stream your base + LoRA adapter from sharded trainers to local engines, verify"),
+    "bench": ("sync_service.bench.cli", "time a sync next to the disk and full-gather paths and the copy floor; JSON + plot"),
     "run": ("sync_service.run_cli", "place trainers and engines on a Ray cluster by resources (--config FILE), sync, verify"),
 }
 
