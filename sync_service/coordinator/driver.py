@@ -165,8 +165,8 @@ class Coordinator:
                 for t in self.trainers]
         sent, send_errors = self._collect(send)
         dead = self._dead_engines() if any(send_errors) else []
-        if dead:  # the live engines stop waiting for frames that will not come
-            self._close_senders()
+        if dead or (any(send_errors) and len(ray.wait(recv, num_returns=len(recv), timeout=1.0)[0]) < len(recv)):
+            self._close_senders()  # engines still waiting for frames that will not come see the close at once
         received, recv_errors = self._collect(recv)
         ok = not any(send_errors) and not any(recv_errors)
         if not ok:
@@ -223,7 +223,10 @@ class Coordinator:
         """Forget dead member engines (no call reaches them); the channel reopens without them."""
         for i in sorted(indices, reverse=True):
             del self.engines[i]
-            self._full_done.discard(self.names.pop(i))
+            name = self.names.pop(i)
+            self._full_done.discard(name)
+            self._tables.pop(name, None)
+            self.versions.remove(name)
         self._connected = False
 
     def _close_senders(self) -> None:

@@ -90,13 +90,13 @@ class Pool:
 
         self.base, self.adapter = base, adapter
         self.trainer_actors = [TrainerShard.remote(base_dir=str(base), adapter_dir=str(adapter)) for _ in range(2)]
-        self.engines = start_engines(base, 3, prefix="e")
+        self.engines = start_engines(base, 3, prefix="e", timeout_s=600)
         self._version = 0
 
     def trainers(self, ep: int) -> list:
         from sync_service.local import start_trainers
 
-        return start_trainers(self.base, self.adapter, ep=ep, reuse=self.trainer_actors[:ep])
+        return start_trainers(self.base, self.adapter, ep=ep, reuse=self.trainer_actors[:ep], timeout_s=600)
 
     def next_version(self) -> int:
         self._version += 1
@@ -112,7 +112,7 @@ class Pool:
             self.trainer_actors[i] = TrainerShard.remote(base_dir=str(self.base), adapter_dir=str(self.adapter))
             return self.trainer_actors[i]
         i = self.engines.index(actor)
-        [self.engines[i]] = start_engines(self.base, 1, prefix=f"e{i}r")
+        [self.engines[i]] = start_engines(self.base, 1, prefix=f"e{i}r", timeout_s=600)
         return self.engines[i]
 
     def close(self) -> None:
