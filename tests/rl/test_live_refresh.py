@@ -35,16 +35,22 @@ def engines(ray_local, files):
     return start_engines(files[0], 2, prefix="live")
 
 
-@pytest.fixture
-def trainers(ray_local, files, engines):
+@pytest.fixture(scope="module")
+def trainer_pool(ray_local):
     from actors.trainer import TrainerShard
 
-    shards = [TrainerShard.remote(base_dir="", adapter_dir=None) for _ in range(2)]
-    yield start_trainers(files[0], files[1], ep=2, reuse=shards)
+    pool = [TrainerShard.remote(base_dir="", adapter_dir=None) for _ in range(2)]
+    yield pool
+    for s in pool:
+        ray.kill(s)
+
+
+@pytest.fixture
+def trainers(files, engines, trainer_pool):
+    """EP=2 trainer shards reloaded with the adapter's initial factors for each test."""
+    yield start_trainers(files[0], files[1], ep=2, reuse=trainer_pool)
     for e in engines:
         set_apply_delay(e, 0)
-    for s in shards:
-        ray.kill(s)
 
 
 def reference(files, replay):
