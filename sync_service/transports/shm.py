@@ -98,12 +98,17 @@ class ShmSender:
 
     def __init__(self, spec: TransportSpec, sender: int = 0):
         self.spec, self.sender, self.path = spec, sender, _path(spec, sender)
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        # Sized under a private name, then published with link() (atomic, and fails if the name is
+        # taken): a receiver polling for the path never sees a half-created, 0-byte segment.
+        staging = f"{self.path}.init-{os.getpid()}"
+        fd = os.open(staging, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, _Segment.size(spec))
             mm = mmap.mmap(fd, _Segment.size(spec))
+            os.link(staging, self.path)
         finally:
             os.close(fd)
+            os.unlink(staging)
         self.seg = _Segment(mm, spec)
         self.seg.buf[:] = 0  # touch every page once, here
         g = self.seg.g
