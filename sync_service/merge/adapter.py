@@ -13,7 +13,6 @@ Sources: LoRA ΔW = (α/r)·B@A (Hu et al. 2021, arXiv:2106.09685); rsLoRA s = �
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 
 from protocols.params import ParamMeta
 from sync_service.merge.errors import MergeError
+from sync_service.merge.inputs import check_adapter_config, read_json_object, read_safetensors
 from sync_service.merge.layouts import FamilyLayout
 
 Sel = tuple[int, int, int]
@@ -118,7 +118,7 @@ def load_adapter(
 
     Raises:
         MergeError: missing files, a pickled ``adapter_model.bin`` (never unpickled: convert it to
-            safetensors), or anything ``adapter_from_state_dict`` rejects.
+            safetensors), a corrupt file, a bad adapter_config field value, or anything ``adapter_from_state_dict`` rejects.
     """
     from peft import PeftConfig
     from safetensors.torch import load_file
@@ -127,15 +127,18 @@ def load_adapter(
     config_path = adapter_dir / "adapter_config.json"
     if not config_path.is_file():
         raise MergeError(f"{adapter_dir}: no adapter_config.json; pass a directory written by PeftModel.save_pretrained")
-    peft_type = json.loads(config_path.read_text()).get("peft_type")
+    raw_config = read_json_object(config_path)
+    peft_type = raw_config.get("peft_type")
     if peft_type != "LORA":
         raise MergeError(
             f"{config_path}: peft_type {peft_type!r} is not a LoRA adapter; only LoRA (incl. rsLoRA, DoRA) "
             f"adapters merge additively — merge it with PEFT's merge_and_unload instead"
         )
+    check_adapter_config(config_path, raw_config)
     peft_config = PeftConfig.from_pretrained(str(adapter_dir))
     weights = adapter_dir / "adapter_model.safetensors"
     if not weights.is_file():
         hint = " (adapter_model.bin is pickled and is never loaded here)" if (adapter_dir / "adapter_model.bin").exists() else ""
         raise MergeError(f"{adapter_dir}: no adapter_model.safetensors{hint}; save the adapter with safe_serialization=True")
-    return adapter_from_state_dict(peft_config, load_file(str(weights)), layout, base_metas, tied_aliases=tied_aliases)
+    state_dict = read_safetensors(weights, load_file)
+    return adapter_from_state_dict(peft_config, state_dict, layout, base_metas, tied_aliases=tied_aliases)

@@ -30,6 +30,7 @@ from sync_service.merge.layouts import FamilyLayout
 
 _PREFIX = "base_model.model."
 _LORA_PARTS = ("lora_A.weight", "lora_B.weight", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
+_FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
 _NON_LORA = ("hada_", "lokr_", "ia3_", "oft_", "boft_", "vera_", "fourierft_", "lora_E", "ranknum")
 
 
@@ -39,6 +40,11 @@ def _scaling(config, key: str) -> tuple[int, float]:
 
     r = config.rank_pattern.get(get_pattern_key(config.rank_pattern.keys(), key), config.r)
     alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), key), config.lora_alpha)
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise MergeError(f"adapter module {key}: r must be a positive int, got {r!r}; fix r / rank_pattern in the adapter_config")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise MergeError(f"adapter module {key}: lora_alpha must be a finite number, got {alpha!r}; "
+                         f"fix lora_alpha / alpha_pattern in the adapter_config")
     return r, (alpha / math.sqrt(r) if config.use_rslora else alpha / r)
 
 
@@ -65,7 +71,24 @@ def _group(state_dict) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, to
 def _check_pair(module: str, parts: dict[str, torch.Tensor], a: str, b: str) -> tuple[torch.Tensor, torch.Tensor]:
     if a not in parts or b not in parts:
         raise MergeError(f"adapter module {module}: needs both {a} and {b}, has {sorted(parts)}")
+    for part in (a, b):
+        _check_factor(f"{module}.{part}", parts[part])
     return _acc(parts[a]), _acc(parts[b])
+
+
+def _check_factor(key: str, t: torch.Tensor) -> None:
+    """A LoRA factor must be a 2D floating tensor of finite values."""
+    if not t.is_floating_point() or t.dim() != 2:
+        raise MergeError(f"adapter key {key}: {str(t.dtype).removeprefix('torch.')}{list(t.shape)} is not a 2D "
+                         f"floating-point LoRA factor; re-save the adapter from PEFT")
+    if not bool(torch.isfinite(t).all()):
+        raise MergeError(f"adapter key {key}: holds NaN or Inf values; the adapter is corrupt or training diverged")
+
+
+def _check_float_base(module: str, meta: ParamMeta) -> None:
+    if meta.dtype not in _FLOAT_DTYPES:
+        raise MergeError(f"adapter module {module}: targets base {meta.name} of dtype {meta.dtype}; LoRA merges "
+                         f"only into floating-point tensors — remove the module from the adapter or fix the base")
 
 
 def _acc(t: torch.Tensor) -> torch.Tensor:
@@ -138,6 +161,7 @@ class _Ctx:
 
     def dense(self, module: str, target: str, parts: dict[str, torch.Tensor]) -> None:
         meta = self.metas[target]
+        _check_float_base(module, meta)
         # a 2D ParamWrapper (target_parameters) resolves patterns on "<module>.weight", a module on "<module>"
         r, s = _scaling(self.config, module + ".weight" if self.by_parameter(module + ".weight") else module)
         if "lora_embedding_A" in parts:
@@ -148,14 +172,19 @@ class _Ctx:
         else:
             a, b = _check_pair(module, parts, "lora_A.weight", "lora_B.weight")
             x, y = (a.T, b.T) if self.config.fan_in_fan_out else (b, a)
-        if len(meta.shape) != 2 or x.shape[0] != meta.shape[0] or y.shape[1] != meta.shape[1] or x.shape[1] != r:
+        if len(meta.shape) != 2 or x.shape[0] != meta.shape[0] or y.shape[1] != meta.shape[1] or x.shape[1] != r or y.shape[0] != r:
             raise MergeError(
                 f"adapter module {module}: LoRA factors A {list(a.shape)}, B {list(b.shape)} (r={r}) do not fit "
                 f"base {target} {list(meta.shape)}; the adapter was trained on a different model size"
             )
         self.add(target, LoraTerm(None, (0, meta.shape[0], 1), (0, meta.shape[1], 1), x, y, s))
+        if getattr(self.config, "use_dora", False) and "lora_magnitude_vector" not in parts:
+            raise MergeError(f"adapter module {module}: adapter_config use_dora=true but no lora_magnitude_vector; "
+                             f"re-save the adapter from PEFT or set use_dora=false")
         if "lora_magnitude_vector" in parts:
             m = _acc(parts["lora_magnitude_vector"]).reshape(-1)
+            if not bool(torch.isfinite(m).all()):
+                raise MergeError(f"adapter key {module}.lora_magnitude_vector: holds NaN or Inf values; the adapter is corrupt")
             if self.config.fan_in_fan_out or m.numel() != meta.shape[0]:
                 raise MergeError(f"adapter module {module}: DoRA magnitude {list(m.shape)} does not fit {target} {list(meta.shape)}")
             self.out.dora_magnitudes[target] = m
@@ -164,6 +193,7 @@ class _Ctx:
         target = self.resolve(name)
         if target is None or len(self.metas[target].shape) != 3:
             raise MergeError(f"adapter module {module}: base has no fused 3D expert tensor {name}")
+        _check_float_base(module, self.metas[target])
         return self.metas[target]
 
     def target_parameter(self, module: str, experts: str, parts: dict[str, torch.Tensor]) -> None:

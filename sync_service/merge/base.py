@@ -21,6 +21,7 @@ from safetensors import safe_open
 
 from protocols.params import Box, ParamMeta, box_shape, full_box
 from sync_service.merge.errors import MergeError
+from sync_service.merge.inputs import read_json_object, read_safetensors
 from sync_service.merge.layouts import FamilyLayout, layout_for
 from sync_service.merge.targets import Piece, target_pieces
 
@@ -127,7 +128,7 @@ class SafetensorsBase:
     requested box. Memory: one open handle per file.
 
     Raises:
-        MergeError: no ``config.json`` / safetensors, unsupported family, missing or mis-shaped experts.
+        MergeError: no ``config.json`` / safetensors, a corrupt one, unsupported family, missing or mis-shaped experts.
     """
 
     def __init__(self, checkpoint_dir: str | Path, layout: FamilyLayout | None = None):
@@ -135,7 +136,7 @@ class SafetensorsBase:
         config_path = self.dir / "config.json"
         if not config_path.is_file():
             raise MergeError(f"{self.dir}: no config.json; pass a directory written by save_pretrained")
-        self.config: dict = json.loads(config_path.read_text())
+        self.config: dict = read_json_object(config_path)
         self.layout = layout or layout_for(self.config)
         self._handles: dict[str, object] = {}
         self._mapped: dict[str, MappedSafetensors] = {}
@@ -152,7 +153,7 @@ class SafetensorsBase:
             raise MergeError(f"{self.dir}: no *.safetensors files; convert the checkpoint with save_pretrained")
         index = {}
         for path in files:
-            with safe_open(str(path), framework="pt") as f:
+            with read_safetensors(path, lambda p: safe_open(p, framework="pt")) as f:
                 for key in f.keys():
                     sl = f.get_slice(key)
                     index[key] = (str(path), _ST_DTYPES[sl.get_dtype()], tuple(sl.get_shape()))

@@ -24,6 +24,17 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+MIN_STAGING_SIZE = 4096
+
+
+def parse_staging_size(text: str) -> int:
+    """``parse_size`` with a floor of ``MIN_STAGING_SIZE`` bytes (smaller budgets merge element by element)."""
+    size = parse_size(text)
+    if size < MIN_STAGING_SIZE:
+        raise argparse.ArgumentTypeError(f"size {text!r} is below the minimum {MIN_STAGING_SIZE} bytes (4KiB); use e.g. 64MiB")
+    return size
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base", required=True, help="base checkpoint directory (config.json + *.safetensors)")
     parser.add_argument("--adapter", required=True, help="PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors)")
@@ -31,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="hf", choices=sorted(TARGETS), help="output naming (default: hf, as save_pretrained)")
     parser.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"], help="output dtype (default: the base's)")
     parser.add_argument("--max-shard-size", default="5GB", type=parse_size, help="largest shard, e.g. 2GB, 500MB (default 5GB)")
-    parser.add_argument("--staging-size", default="64MiB", type=parse_size, help="fp32 merge scratch budget (default 64MiB)")
+    parser.add_argument("--staging-size", default="64MiB", type=parse_staging_size, help="fp32 merge scratch budget, at least 4KiB (default 64MiB)")
     parser.add_argument("--threads", default=1, type=int,
                         help="torch intra-op threads (default 1: the merge is memory-bound in cache-sized steps; "
                              "more threads gain little and slow down badly on a busy machine)")

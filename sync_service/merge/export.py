@@ -12,6 +12,7 @@ copy), and ``save_file`` writes the views from their pointers.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -25,6 +26,7 @@ from protocols.params import DTYPE_BYTES
 from sync_service.merge.adapter import load_adapter
 from sync_service.merge.base import SafetensorsBase
 from sync_service.merge.errors import MergeError
+from sync_service.merge.inputs import read_json_object
 from sync_service.merge.source import MergeConfig, MergedSource
 from sync_service.merge.targets import TARGETS, Piece, target_pieces
 
@@ -38,6 +40,21 @@ _FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
 
 
 _ALIGN = 8  # bytes; every tensor view of the shard buffer starts aligned for any dtype
+
+
+MIN_STAGING_BYTES = 8
+"""Smallest fp32 scratch budget, bytes: one float64 element (the scratch of a float64 base)."""
+
+
+def _check_out_parent(out_dir: Path) -> None:
+    """The nearest existing ancestor of ``out_dir`` must be a writable directory (it is created below it)."""
+    parent = out_dir.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise MergeError(f"--out {out_dir}: {parent} is a file, not a directory; choose an --out under a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise MergeError(f"--out {out_dir}: {parent} is not writable; choose an --out under a writable directory")
 
 
 def _plan_shards(source: MergedSource, target: str, max_shard_bytes: int) -> list[list[tuple[str, Piece]]]:
@@ -67,7 +84,7 @@ def _padded(nbytes: int) -> int:
 
 
 def _write_config(base_dir: Path, out: Path, dtype: str | None) -> None:
-    config = json.loads((base_dir / "config.json").read_text())
+    config = read_json_object(base_dir / "config.json")
     if dtype is not None:
         for key in ("dtype", "torch_dtype"):
             if key in config or key == "dtype":
@@ -123,8 +140,11 @@ def merge_checkpoint(
         raise MergeError(f"--dtype {dtype!r} not supported; use one of {', '.join(_FLOAT_DTYPES)}")
     if max_shard_bytes <= 0:
         raise MergeError(f"--max-shard-size must be positive, got {max_shard_bytes} bytes")
+    if staging_bytes < MIN_STAGING_BYTES:
+        raise MergeError(f"--staging-size must be at least {MIN_STAGING_BYTES} bytes, got {staging_bytes}; use e.g. 64MiB")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise MergeError(f"--out {out_dir} exists and is not an empty directory; remove it or choose another path")
+    _check_out_parent(out_dir)
     base = SafetensorsBase(base_dir)
     adapter = load_adapter(adapter_dir, base.layout, base.metas(), tied_aliases=base.tied_aliases)
     source = MergedSource(base, adapter, config=MergeConfig(out_dtype=dtype, staging_bytes=staging_bytes))
