@@ -22,6 +22,7 @@ canonical msgpack encoding of the header without its mac (that encoding includes
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import hmac
 import math
@@ -39,7 +40,12 @@ MAX_HEADER_BYTES = 8 << 20
 MAX_NAME_CHARS = 1024
 MAX_SESSION_CHARS = 128
 MAX_TEXT_CHARS = 16384
-MAX_NDIM = 16
+MAX_NDIM = 8
+"""Most dims of a tensor on the wire (weights have at most 3)."""
+MAX_PLAN_ENTRIES = 1 << 16
+"""Most entries of a ``SyncPlan`` (decoding one of this size takes well under a second)."""
+MAX_BUCKET_ENTRIES = 1 << 15
+"""Most entries of one ``BucketHeader`` (1 MiB of 32 B entries; a bucket entry starts on a 64 B boundary)."""
 MAX_PEERS = 1 << 16
 U64_MAX = (1 << 64) - 1
 I63_MAX = (1 << 63) - 1
@@ -281,11 +287,22 @@ def decode(data: bytes | bytearray | memoryview, *, max_bytes: int = MAX_HEADER_
         raise ProtocolError("message", f"expected bytes, got {type(data).__name__}")
     if len(data) > max_bytes:
         raise ProtocolError("message", f"{len(data)} bytes exceeds the header limit {max_bytes}")
+    # the cyclic GC would run over and over while msgpack and the checks build up to millions of small lists
+    # (10× slower on a large plan); nothing decoded here can form a cycle
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
     try:
-        raw: Any = msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several types (ExtraData, FormatError, ValueError, ...)
-        raise ProtocolError("message", f"not valid msgpack: {type(exc).__name__}: {exc}") from None
-    return check_message(raw)
+        try:
+            raw: Any = msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=True)
+        except Exception as exc:  # msgpack raises several types (ExtraData, FormatError, ValueError, ...)
+            raise ProtocolError("message", f"not valid msgpack: {type(exc).__name__}: {str(exc)[:200]}") from None
+        try:
+            return check_message(raw)
+        except RecursionError:
+            raise ProtocolError("message", "nested too deeply") from None
+    finally:
+        if gc_was_enabled:
+            gc.enable()
 
 
 def box_nbytes(box: Box, dtype: str) -> int:

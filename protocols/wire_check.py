@@ -9,10 +9,19 @@ from typing import Any
 
 from protocols.params import DTYPE_BYTES, Box
 from protocols.wire import (
-    ALIGN_BYTES, ENTRY_KINDS, I63_MAX, MAX_NAME_CHARS, MAX_NDIM, MAX_PEERS, MAX_SESSION_CHARS,
+    ALIGN_BYTES, ENTRY_KINDS, I63_MAX, MAX_BUCKET_ENTRIES, MAX_NAME_CHARS, MAX_PLAN_ENTRIES, MAX_NDIM, MAX_PEERS, MAX_SESSION_CHARS,
     MAX_TEXT_CHARS, SCHEMA_VERSION, U64_MAX, Abort, Ack, Begin, BucketHeader, Commit, Error, Message,
     PlanEntry, ProtocolError, SyncPlan, box_nbytes,
 )
+
+
+def short_repr(v: Any, limit: int = 64) -> str:
+    """``repr`` of a scalar cut to ``limit`` chars; a container is named by its type and length only
+    (a hostile, deeply nested value is never walked)."""
+    if type(v) in (list, dict, tuple):
+        return f"<{type(v).__name__} of {len(v)}>"
+    text = repr(v)
+    return text if len(text) <= limit else text[:limit] + "…"
 
 
 def _int(v: Any, field: str, lo: int = 0, hi: int = I63_MAX) -> int:
@@ -40,15 +49,23 @@ def _list(v: Any, field: str, n: int | None = None) -> list:
 
 
 def _shape_box(shape_raw: Any, box_raw: Any, field: str) -> tuple[tuple[int, ...], Box]:
-    shape = tuple(_int(d, f"{field}.shape[{i}]") for i, d in enumerate(_list(shape_raw, f"{field}.shape")))
-    if len(shape) > MAX_NDIM:
-        raise ProtocolError(f"{field}.shape", f"{len(shape)} dims > {MAX_NDIM}")
-    box_list = _list(box_raw, f"{field}.box", len(shape))
+    # fast path: plain type/bound checks; field names are formatted only on the failing item
+    _list(shape_raw, f"{field}.shape")
+    if len(shape_raw) > MAX_NDIM:
+        raise ProtocolError(f"{field}.shape", f"{len(shape_raw)} dims > {MAX_NDIM}")
+    for i, d in enumerate(shape_raw):
+        if type(d) is not int or not 0 <= d <= I63_MAX:
+            _int(d, f"{field}.shape[{i}]")
+    shape = tuple(shape_raw)
+    _list(box_raw, f"{field}.box", len(shape))
     box = []
-    for i, pair in enumerate(box_list):
-        start, stop = _list(pair, f"{field}.box[{i}]", 2)
-        start = _int(start, f"{field}.box[{i}].start", 0, shape[i])
-        stop = _int(stop, f"{field}.box[{i}].stop", start, shape[i])
+    for i, pair in enumerate(box_raw):
+        if type(pair) is not list or len(pair) != 2:
+            _list(pair, f"{field}.box[{i}]", 2)
+        start, stop = pair
+        if type(start) is not int or type(stop) is not int or not 0 <= start <= stop <= shape[i]:
+            _int(start, f"{field}.box[{i}].start", 0, shape[i])
+            _int(stop, f"{field}.box[{i}].stop", start, shape[i])
         box.append((start, stop))
     return shape, tuple(box)
 
@@ -57,14 +74,14 @@ def check_entry(raw: Any, field: str) -> PlanEntry:
     items = _list(raw, field)
     kind = items[0] if items else None
     if type(kind) is not str or kind not in ENTRY_KINDS:
-        raise ProtocolError(f"{field}.kind", f"unknown entry kind {kind!r}; known: {sorted(ENTRY_KINDS)}")
+        raise ProtocolError(f"{field}.kind", f"unknown entry kind {short_repr(kind)}; known: {sorted(ENTRY_KINDS)}")
     if len(items) != (10 if kind == "recipe" else 9):
         raise ProtocolError(f"{field}.kind" if len(items) in (9, 10) else field,
                             f"a {kind!r} entry has {10 if kind == 'recipe' else 9} items, got {len(items)}")
     _, name, dtype, shape_raw, box_raw, sender, bucket, offset, nbytes = items[:9]
     name = _str(name, f"{field}.name", MAX_NAME_CHARS)
     if type(dtype) is not str or dtype not in DTYPE_BYTES:
-        raise ProtocolError(f"{field}.dtype", f"unknown dtype {dtype!r}; known: {sorted(DTYPE_BYTES)}")
+        raise ProtocolError(f"{field}.dtype", f"unknown dtype {short_repr(dtype)}; known: {sorted(DTYPE_BYTES)}")
     shape, box = _shape_box(shape_raw, box_raw, field)
     offset = _int(offset, f"{field}.offset")
     if offset % ALIGN_BYTES:
@@ -82,9 +99,12 @@ def check_entry(raw: Any, field: str) -> PlanEntry:
                      bucket=_int(bucket, f"{field}.bucket"), offset=offset, nbytes=nbytes, kind=kind, recipe=recipe)
 
 
-def check_entries(raw: Any, field: str, capacity: int) -> tuple[PlanEntry, ...]:
-    """Entries of one bucket or plan; within a (sender, bucket) they are sorted and disjoint."""
-    entries = tuple(check_entry(e, f"{field}[{i}]") for i, e in enumerate(_list(raw, field)))
+def check_entries(raw: Any, field: str, capacity: int, max_entries: int) -> tuple[PlanEntry, ...]:
+    """Entries of one bucket or plan (at most ``max_entries``); within a (sender, bucket) they are
+    sorted and disjoint."""
+    if len(_list(raw, field)) > max_entries:
+        raise ProtocolError(field, f"{len(raw)} entries > the limit {max_entries}")
+    entries = tuple(check_entry(e, f"{field}[{i}]") for i, e in enumerate(raw))
     end: dict[tuple[int, int], int] = {}
     keys: set[tuple[str, Box]] = set()
     for i, e in enumerate(entries):
@@ -109,14 +129,14 @@ def _common(body: list, tag: str, n: int) -> list:
 def _plan(b: list) -> SyncPlan:
     _common(b, "plan", 4)
     cap = _int(b[2], "plan.bucket_bytes", 1)
-    return SyncPlan(session=b[0], version=b[1], bucket_bytes=cap, entries=check_entries(b[3], "plan.entries", cap))
+    return SyncPlan(session=b[0], version=b[1], bucket_bytes=cap, entries=check_entries(b[3], "plan.entries", cap, MAX_PLAN_ENTRIES))
 
 
 def _bucket(b: list) -> BucketHeader:
     _common(b, "header", 8)
     sender = _int(b[2], "header.sender", 0, MAX_PEERS - 1)
     payload = _int(b[5], "header.payload_nbytes")
-    entries = check_entries(b[4], "header.entries", payload)
+    entries = check_entries(b[4], "header.entries", payload, MAX_BUCKET_ENTRIES)
     for i, e in enumerate(entries):
         if e.sender != sender:
             raise ProtocolError(f"header.entries[{i}].sender", f"{e.sender} != header sender {sender}")
@@ -169,9 +189,9 @@ _CHECKS = {"plan": _plan, "bucket": _bucket, "begin": _begin, "commit": _commit,
 def check_message(raw: Any) -> Message:
     if type(raw) is not list or len(raw) < 2:
         raise ProtocolError("message", "expected an array [schema_version, tag, ...]")
-    if raw[0] != SCHEMA_VERSION or type(raw[0]) is not int:
-        raise ProtocolError("schema_version", f"got {raw[0]!r}, this build speaks {SCHEMA_VERSION}")
+    if type(raw[0]) is not int or raw[0] != SCHEMA_VERSION:
+        raise ProtocolError("schema_version", f"got {short_repr(raw[0])}, this build speaks {SCHEMA_VERSION}")
     check = _CHECKS.get(raw[1]) if type(raw[1]) is str else None
     if check is None:
-        raise ProtocolError("tag", f"unknown message tag {raw[1]!r}; known: {sorted(_CHECKS)}")
+        raise ProtocolError("tag", f"unknown message tag {short_repr(raw[1])}; known: {sorted(_CHECKS)}")
     return check(raw[2:])
