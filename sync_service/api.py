@@ -22,6 +22,7 @@ parameter table before any byte moves (``PlanMismatchError``).
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -72,12 +73,17 @@ class SyncConfig:
     def __post_init__(self) -> None:
         from sync_service.coordinator.driver import TRANSPORT_KINDS
 
+        for name, kinds in _FIELD_TYPES.items():
+            value = getattr(self, name)
+            if not _is_kind(value, kinds):
+                allowed = " or ".join("None" if k is None else k.__name__ for k in kinds)
+                raise ValueError(f"SyncConfig.{name}={_short_repr(value)} must be {allowed}, got {type(value).__name__}")
         if self.transport not in TRANSPORT_KINDS:
             raise ValueError(f"SyncConfig.transport={self.transport!r}; use one of {sorted(TRANSPORT_KINDS)}")
         if self.bucket_bytes <= 0 or self.bucket_bytes % 64:
             raise ValueError(f"SyncConfig.bucket_bytes={self.bucket_bytes} must be a positive multiple of 64")
-        if self.timeout_s <= 0:
-            raise ValueError(f"SyncConfig.timeout_s={self.timeout_s} must be > 0")
+        if not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
+            raise ValueError(f"SyncConfig.timeout_s={self.timeout_s} must be a finite number of seconds > 0")
         from sync_service.factors.choose import FactorPolicy
 
         FactorPolicy(mode=self.mode, factor_memory_bytes=self.factor_memory_bytes,
@@ -89,6 +95,28 @@ class SyncConfig:
             from sync_service.security import check_secret
 
             check_secret(self.secret, "SyncConfig.secret")
+
+
+# field → allowed kinds (``None`` allows None); bool is never accepted for int fields. ``secret``
+# is checked by ``check_secret`` (its value is never printed).
+_FIELD_TYPES: dict[str, tuple] = {
+    "bucket_bytes": (int,), "transport": (str,), "timeout_s": (int, float), "check_finite": (bool,),
+    "delta": (bool,), "max_in_flight": (int,), "max_staleness": (int,),
+    "mode": (str,), "factor_memory_bytes": (int, None), "experts_per_recipe": (int,),
+}
+
+
+def _is_kind(value, kinds: tuple) -> bool:
+    if value is None:
+        return None in kinds
+    if isinstance(value, bool):
+        return bool in kinds
+    return any(k is not None and isinstance(value, k) for k in kinds)
+
+
+def _short_repr(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "…"
 
 
 class PushHandle:
