@@ -18,6 +18,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 PROMPTS = ([1, 5, 9, 13, 17, 21], [2, 3, 5, 7, 11, 13, 17])
 MAX_NEW_TOKENS = 8
@@ -217,15 +218,61 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, versions: int) -> N
     parser.add_argument("--json", type=Path, default=None, help="write the results as JSON to this path")
 
 
+def fail(args: argparse.Namespace, message: str) -> NoReturn:
+    """Print ``weightsync <command>: error: message`` (one line, as argparse does) and exit 2."""
+    print(f"weightsync {getattr(args, 'command', None) or 'sync'}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def resolve_parallel(args: argparse.Namespace) -> tuple[int, int]:
-    """(ep, tp) from --trainers / --ep / --tp. Raises SystemExit with a message on a contradiction."""
+    """(ep, tp) from --trainers / --ep / --tp. Exits 2 with a one-line message on a bad or contradicting value."""
+    for flag, value in (("--tp", args.tp), ("--ep", args.ep), ("--trainers", args.trainers),
+                        ("--engines", args.engines), ("--versions", args.versions)):
+        if value is not None and value < 1:
+            fail(args, f"{flag} must be >= 1, got {value}")
     tp = args.tp
     ep = args.ep if args.ep is not None else (args.trainers // tp if args.trainers else 2)
     if args.trainers is not None and args.trainers != ep * tp:
-        raise SystemExit(f"--trainers {args.trainers} != --ep {ep} × --tp {tp}; give consistent values")
-    if ep < 1 or tp < 1 or args.engines < 1 or args.versions < 1:
-        raise SystemExit("--ep, --tp, --engines and --versions must be >= 1")
+        fail(args, f"--trainers {args.trainers} != --ep {ep} × --tp {tp}; give consistent values")
+    if ep < 1:
+        fail(args, f"--trainers {args.trainers} is smaller than --tp {tp}; give --trainers a multiple of --tp")
     return ep, tp
+
+
+def check_sharding(args: argparse.Namespace, base: Path, ep: int, tp: int) -> None:
+    """Every base tensor splits evenly under ``ep`` × ``tp`` (experts by EP, sharded dims by TP);
+    read from the checkpoint's headers, before Ray starts. Exits 2 naming the tensor and dim."""
+    from sync_service.merge.base import SafetensorsBase
+    from sync_service.merge.errors import MergeError
+    from sync_service.sharding.rules import ShardSpec, shard_pieces
+
+    try:
+        metas = SafetensorsBase(base).metas()
+    except MergeError as exc:
+        fail(args, f"--base: {exc}")
+    spec = ShardSpec(rank=0, ep=ep, tp=tp)
+    for meta in metas:
+        try:
+            shard_pieces(meta, spec)
+        except ValueError as exc:
+            fail(args, f"--ep {ep} --tp {tp}: {exc}")
+
+
+def check_run_arguments(args: argparse.Namespace) -> None:
+    """Validate the flags every run shares before Ray starts: ``SyncConfig`` (bucket size, timeout,
+    transport) and the ``--json`` directory. Exits 2 naming the flag."""
+    from sync_service.api import SyncConfig
+
+    try:
+        SyncConfig(transport=args.transport, bucket_bytes=args.bucket_bytes, timeout_s=args.timeout)
+    except (TypeError, ValueError) as exc:
+        flag = {"bucket_bytes": "--bucket-bytes", "timeout_s": "--timeout", "transport": "--transport"}
+        text = str(exc)
+        for field_name, name in flag.items():
+            text = text.replace(f"SyncConfig.{field_name}", name)
+        fail(args, text)
+    if args.json is not None and not args.json.parent.is_dir():
+        fail(args, f"--json {args.json}: directory {args.json.parent} does not exist; create it or choose another path")
 
 
 def execute(cfg: RunConfig, extra: dict) -> int:
@@ -247,13 +294,15 @@ def run(args: argparse.Namespace) -> int:
     ep, tp = resolve_parallel(args)
     for what, path in (("--base", args.base), ("--adapter", args.adapter)):
         if path is not None and not path.is_dir():
-            raise SystemExit(f"{what} {path}: not a directory")
+            fail(args, f"{what} {path}: not a directory")
+    check_run_arguments(args)
+    check_sharding(args, args.base, ep, tp)
     from sync_service.security import resolve_secret
 
     try:
         secret = resolve_secret(args.secret_file)
     except (OSError, ValueError) as exc:
-        raise SystemExit(f"--secret-file: {exc}") from None
+        fail(args, f"--secret-file: {exc}")
     cfg = RunConfig(base=args.base, adapter=args.adapter, ep=ep, tp=tp, engines=args.engines, versions=args.versions,
                     transport=args.transport, bucket_bytes=args.bucket_bytes, timeout_s=args.timeout, json_path=args.json,
                     check_finite=args.check_finite, secret=secret)
