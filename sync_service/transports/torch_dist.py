@@ -20,6 +20,7 @@ step, so the transport is then marked broken and every later call raises ``Trans
 from __future__ import annotations
 
 import queue
+import socket
 import threading
 import time
 from collections import deque
@@ -53,6 +54,21 @@ def _more_follows(header: bytes) -> bool:
         return False
 
 
+def _listen(address: str, port: int) -> int:
+    """A listening TCP socket bound to ``address:port`` only; returns its fd, owned by the caller
+    (``TCPStore(master_listen_fd=...)`` takes it over)."""
+    family = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0][0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((address, port))
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise TransportError(f"torch_dist: cannot listen on {address}:{port}: {exc}; pick a free port") from None
+    return sock.detach()
+
+
 class _Group:
     """Store + process group + preallocated buffers of one side."""
 
@@ -64,11 +80,20 @@ class _Group:
         if cls is None:
             raise ValueError(f"backend {spec.backend!r} is not available in this torch build")
         self.spec, self.rank, self.world = spec, rank, spec.num_receivers + 1
+        # Listen on spec.address only: by itself TCPStore binds every interface ("::"), and gloo
+        # binds the address the host name resolves to.
+        listen_fd = _listen(spec.address, spec.port) if rank == 0 else None
         base = dist.TCPStore(spec.address, spec.port, self.world, rank == 0,
-                             timeout=timedelta(seconds=spec.connect_timeout_s))
+                             timeout=timedelta(seconds=spec.connect_timeout_s), master_listen_fd=listen_fd)
         self.store = dist.PrefixStore(f"weightsync/{spec.name}/", base)
         self._base = base
-        self.pg = cls(self.store, rank, self.world, timedelta(seconds=spec.op_timeout_s))
+        if spec.backend == "gloo":
+            options = dist.ProcessGroupGloo._Options()
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=spec.address)]
+            options._timeout = timedelta(seconds=spec.op_timeout_s)
+            self.pg = cls(self.store, rank, self.world, options)
+        else:
+            self.pg = cls(self.store, rank, self.world, timedelta(seconds=spec.op_timeout_s))
         self.ctrl = torch.zeros(CTRL_BYTES, dtype=torch.uint8, device=self.device)
         self.ctrl_host = self.ctrl if self.device == "cpu" else torch.zeros(CTRL_BYTES, dtype=torch.uint8)
         self.header = torch.zeros(spec.max_header_bytes, dtype=torch.uint8, device=self.device)
