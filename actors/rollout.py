@@ -18,6 +18,7 @@ from protocols.wire import SyncPlan, decode
 ENGINES = {
     "hf": lambda model_dir: _hf(model_dir),
     "memory": lambda model_dir: _memory(model_dir),
+    "vllm": lambda model_dir: _vllm(model_dir),
 }
 
 
@@ -25,6 +26,17 @@ def _hf(model_dir: str):
     from sync_service.engines.hf import HFEngine
 
     return HFEngine.from_pretrained(model_dir)
+
+
+def _vllm(model_dir: str):
+    """vLLM in this process, presented in the trainers' hf-fused naming (docs/vllm.md). The actor's
+    runtime_env sets ``VLLM_CPU_OMP_THREADS_BIND=nobind`` (and ``VLLM_CPU_KVCACHE_SPACE``)."""
+    import os
+
+    from sync_service.engines.vllm.fused import FusedVLLMEngine
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    return FusedVLLMEngine.from_pretrained(model_dir)
 
 
 def _memory(model_dir: str):

