@@ -31,6 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bucket-mb", type=int, default=d.bucket_bytes >> 20, help="bucket size, MiB (default 64)")
     parser.add_argument("--repeats", type=int, default=d.repeats, help="measured runs per row, median reported (default 3)")
     parser.add_argument("--quick", action="store_true", help="tiny models (smoke test)")
+    parser.add_argument("--full-max-size", type=int, default=d.full_max_size,
+                        help=f"run the full-sync row at sizes <= this (default {d.full_max_size})")
     parser.add_argument("--fanout-max-size", type=int, default=d.fanout_max_size,
                         help=f"run the {d.fanout}-engine row at sizes <= this (default {d.fanout_max_size})")
     parser.add_argument("--gather-max-size", type=int, default=d.gather_max_size,
@@ -52,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         cfg = BenchConfig(sizes=args.sizes, bucket_bytes=args.bucket_mb << 20, repeats=args.repeats, quick=args.quick,
-                          fanout_max_size=args.fanout_max_size, gather_max_size=args.gather_max_size,
+                          full_max_size=args.full_max_size, fanout_max_size=args.fanout_max_size, gather_max_size=args.gather_max_size,
                           disk_max_size=args.disk_max_size, cache_dir=args.cache_dir, timeout_s=args.timeout,
                           json_path=args.json, plot_path=args.plot)
     except ValueError as exc:
@@ -63,8 +65,10 @@ def run(args: argparse.Namespace) -> int:
     for name, g in report["goals"].items():
         value = g["value"] if not isinstance(g["value"], float) else round(g["value"], 3)
         print(f"{name}: {json.dumps(value)} (goal {g['goal']}): {'met' if g['met'] else 'MISSED' if g['met'] is False else 'not run'}")
+    for f in report["failed"]:
+        print(f"FAILED: {f['row']} at {f['size']}x: {f['error']}")
     if cfg.json_path is not None:
         write_json(report, cfg.json_path)
     if cfg.plot_path is not None:
         write_plot(report, cfg.plot_path)
-    return 0
+    return 1 if report["failed"] else 0

@@ -2,7 +2,8 @@
 
 Per size: start the trainer shards (EP) and one transformers engine, then
   1. ``delta``: one untimed first full sync, then ``repeats`` delta syncs, each after a training step;
-  2. ``full``: a second ``WeightSync`` with ``delta=False`` on the same actors, ``repeats`` full syncs;
+  2. ``full`` (sizes the plan allows): a second ``WeightSync`` with ``delta=False`` on the same actors,
+     ``repeats`` full syncs;
   3. ``delta_fanout4`` (sizes the plan allows): ``fanout - 1`` more engines, a third ``WeightSync``
      over all of them, one untimed full sync, ``repeats`` delta syncs.
 Every actor is killed at the end. Seconds are ``SyncMetrics.seconds`` (transfer after the snapshot,
@@ -20,21 +21,22 @@ from sync_service.bench.rss import RssSampler, actor_pid
 __all__ = ["run_ours"]
 
 
-def run_ours(model: BenchModel, cfg: BenchConfig, size: int, say=print) -> list[Row]:
-    """The ours rows at ``size`` (see the module docstring). Blocks; kills its actors."""
+def run_ours(model: BenchModel, cfg: BenchConfig, size: int, rows: list[Row], say=print) -> None:
+    """Append the ours rows at ``size`` to ``rows`` as each finishes (see the module docstring).
+    Blocks; kills its actors (also when a row fails)."""
     from sync_service.local import start_engines, start_trainers
 
     model_bytes = model.shape.bf16_bytes()
     trainers = start_trainers(model.base_dir, model.adapter_dir, ep=cfg.ep, timeout_s=cfg.timeout_s)
     engines = start_engines(model.base_dir, 1, timeout_s=cfg.timeout_s)
-    rows: list[Row] = []
     version = [0]
     try:
         tpids = [actor_pid(t) for t in trainers]
         say(f"  {size}x delta (1 engine)")
         rows.append(_row("delta", trainers, engines, tpids, cfg, version, model_bytes, size, delta=True))
-        say(f"  {size}x full (1 engine)")
-        rows.append(_row("full", trainers, engines, tpids, cfg, version, model_bytes, size, delta=False))
+        if cfg.runs("full", size):
+            say(f"  {size}x full (1 engine)")
+            rows.append(_row("full", trainers, engines, tpids, cfg, version, model_bytes, size, delta=False))
         if cfg.runs("delta_fanout4", size) and cfg.fanout > 1:
             say(f"  {size}x delta ({cfg.fanout} engines)")
             engines += start_engines(model.base_dir, cfg.fanout - 1, timeout_s=cfg.timeout_s, prefix="fanout")
@@ -42,7 +44,6 @@ def run_ours(model: BenchModel, cfg: BenchConfig, size: int, say=print) -> list[
     finally:
         for actor in [*trainers, *engines]:
             ray.kill(actor)
-    return rows
 
 
 def _row(kind: str, trainers: list, engines: list, tpids: list[int], cfg: BenchConfig, version: list[int],

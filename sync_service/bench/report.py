@@ -58,7 +58,7 @@ def build_report(rows: list[Row], cfg: BenchConfig, *, factor_bytes: dict[int, i
         "command": "weightsync bench " + " ".join(machine.get("argv", [])),
         "machine": machine,
         "config": {"sizes": sizes, "bucket_bytes": cfg.bucket_bytes, "repeats": cfg.repeats, "quick": cfg.quick,
-                   "ep": cfg.ep, "fanout": cfg.fanout, "fanout_max_size": cfg.fanout_max_size,
+                   "ep": cfg.ep, "fanout": cfg.fanout, "full_max_size": cfg.full_max_size, "fanout_max_size": cfg.fanout_max_size,
                    "gather_max_size": cfg.gather_max_size, "disk_max_size": cfg.disk_max_size},
         "reference_size": ref,
         "ratios": ratios,

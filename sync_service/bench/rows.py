@@ -37,6 +37,9 @@ class BenchConfig:
     """Trainer shards (expert parallel) of ours and the full-gather row."""
     fanout: int = 4
     """Engines of the fan-out row."""
+    full_max_size: int = 2
+    """The full-sync row runs at sizes <= this (memory: with the delta row it is what an engine at 4x can
+    not hold next to two trainers on a 24 GiB machine; the delta row covers 4x)."""
     fanout_max_size: int = 1
     """The fan-out row runs at sizes <= this (memory: every engine holds the model twice)."""
     gather_max_size: int = 2
@@ -64,7 +67,7 @@ class BenchConfig:
 
     def runs(self, kind: str, size: int) -> bool:
         """Whether row ``kind`` runs at ``size`` (the size plan)."""
-        limit = {"delta_fanout4": self.fanout_max_size, "gather": self.gather_max_size, "disk": self.disk_max_size}
+        limit = {"full": self.full_max_size, "delta_fanout4": self.fanout_max_size, "gather": self.gather_max_size, "disk": self.disk_max_size}
         return size <= limit.get(kind, size)
 
 

@@ -60,6 +60,7 @@ def run_bench(cfg: BenchConfig, *, argv: list[str] | None = None, say=_say) -> d
     quiet_libraries()
     machine = {"cpus": os.cpu_count(), "load_before": os.getloadavg(), "argv": list(argv or [])}
     rows: list[Row] = []
+    failed: list[dict] = []
     factor_bytes: dict[int, int] = {}
     tmp = Path(tempfile.mkdtemp(prefix="wsb"))
     cfg.cache_dir.mkdir(parents=True, exist_ok=True)
@@ -72,24 +73,37 @@ def run_bench(cfg: BenchConfig, *, argv: list[str] | None = None, say=_say) -> d
             factor_bytes[size] = model.factor_bytes()
             if not ray.is_initialized():
                 start_ray(tmp / "ray")
-            ours = run_ours(model, cfg, size, say=say)
-            rows += ours
-            gc.collect()
-            say(f"  {size}x floor")
-            rows.append(run_floor(ours[0].bytes, cfg, size, shape.bf16_bytes()))
+            _guard(failed, "ours", size, say, lambda: run_ours(model, cfg, size, rows, say=say))
+            delta = next((r for r in rows if r.kind == "delta" and r.size == size), None)
+            if delta is not None:
+                say(f"  {size}x floor")
+                _guard(failed, "floor", size, say, lambda: rows.append(run_floor(delta.bytes, cfg, size, shape.bf16_bytes())))
             if cfg.runs("gather", size):
-                rows.append(run_gather(model, cfg, size, say=say))
-                gc.collect()
+                _guard(failed, "gather", size, say, lambda: rows.append(run_gather(model, cfg, size, say=say)))
             if cfg.runs("disk", size):
-                rows.append(run_disk(model, cfg, size, work, say=say))
-                gc.collect()
+                _guard(failed, "disk", size, say, lambda: rows.append(run_disk(model, cfg, size, work, say=say)))
         ray.shutdown()
         say("factor streaming row")
-        factor_streaming = _factor_streaming(cfg.quick)
+        factor_streaming: dict = {}
+        _guard(failed, "factor_streaming", 0, say, lambda: factor_streaming.update(_factor_streaming(cfg.quick)))
     finally:
         if ray.is_initialized():
             ray.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
     machine["load_after"] = os.getloadavg()
-    return build_report(rows, cfg, factor_bytes=factor_bytes, factor_streaming=factor_streaming, machine=machine)
+    report = build_report(rows, cfg, factor_bytes=factor_bytes, factor_streaming=factor_streaming, machine=machine)
+    report["failed"] = failed
+    return report
+
+
+def _guard(failed: list[dict], what: str, size: int, say, step) -> None:
+    """Run one row step; a failure (e.g. a Ray OOM kill) is recorded in ``failed`` and the run goes on."""
+    try:
+        step()
+    except Exception as exc:  # the report names it; the other rows still mean something
+        text = str(exc).strip().splitlines()
+        failed.append({"row": what, "size": size, "error": f"{type(exc).__name__}: {text[0][:500] if text else ''}"})
+        say(f"  {size}x {what} FAILED: {failed[-1]['error']}")
+    finally:
+        gc.collect()

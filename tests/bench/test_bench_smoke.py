@@ -29,6 +29,7 @@ def report(tmp_path_factory):
 
 @pytest.mark.timeout(1200)
 def test_every_row_ran_per_size_plan(report):
+    assert report["failed"] == []
     ran = {(r["kind"], r["size"]) for r in report["rows"]}
     expected = {(k, 1) for k in ROW_KINDS} | {(k, 2) for k in ("delta", "full", "floor")}
     assert ran == expected
