@@ -156,6 +156,9 @@ def merge_checkpoint(
     try:
         total = _write_shards(source, target, shards, tmp, progress)
         _write_config(base_dir, tmp, dtype)
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700; the output is an ordinary directory
         if out_dir.exists():
             out_dir.rmdir()
         tmp.rename(out_dir)
