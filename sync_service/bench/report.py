@@ -122,7 +122,8 @@ def write_plot(report: dict, path: Path) -> None:
 
 
 def _model_gb(report: dict, size: str) -> float:
-    return next(r["model_bytes"] for r in report["rows"] if str(r["size"]) == size) / 1e9
+    """Model GB of ``size`` (NaN when no row ran there, e.g. a size that failed: matplotlib skips it)."""
+    return next((r["model_bytes"] for r in report["rows"] if str(r["size"]) == size), float("nan")) / 1e9
 
 
 def write_json(report: dict, path: Path) -> None:
