@@ -12,17 +12,6 @@ import torch
 ray = pytest.importorskip("ray")
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    tmp = tempfile.mkdtemp(prefix="wsray", dir="/tmp")
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tmp, log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}})
-    try:
-        yield tmp
-    finally:
-        ray.shutdown()
-        shutil.rmtree(tmp, ignore_errors=True)
-
 
 def assert_engines_equal(engines, reference: dict, *, what: str = "", atol: float = 0.0) -> None:
     """Every engine parameter equals the reference tensor (bitwise with ``atol=0``), no name missing."""

@@ -17,17 +17,6 @@ from tests.e2e.conftest import assert_engines_equal
 ray = pytest.importorskip("ray")
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    tmp = tempfile.mkdtemp(prefix="wsfray", dir="/tmp")
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tmp, log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}})
-    try:
-        yield tmp
-    finally:
-        ray.shutdown()
-        shutil.rmtree(tmp, ignore_errors=True)
-
 
 def test_factor_mode_three_versions_bitwise_then_late_joiner_gets_full_sync(ray_local, tmp_path):
     base = make_base("qwen3_moe", tmp_path / "base", dtype="bfloat16", num_experts=4)

@@ -12,17 +12,6 @@ import pytest
 ray = pytest.importorskip("ray")
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    tmp = tempfile.mkdtemp(prefix="wsrl", dir="/tmp")
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tmp, log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}})
-    try:
-        yield tmp
-    finally:
-        ray.shutdown()
-        shutil.rmtree(tmp, ignore_errors=True)
-
 
 class DelayedApply:
     """An EngineAdapter wrapper whose ``apply`` sleeps ``delay_s`` first (a slow engine)."""
