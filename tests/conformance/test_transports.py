@@ -127,8 +127,9 @@ def test_receiver_error_reaches_sender(channel):
     ray.get(channel.peers[0].fail_next.remote("big"))
     t = time.monotonic()
     with pytest.raises(RemoteSyncError, match="injected engine failure while applying big"):
-        sync(channel, BASE, 1, version=1)
-    assert time.monotonic() - t < 5.0
+        sync(channel, BASE, 1, version=1, timeout_s=60.0)
+    # The receiver's error ends the sync; the sender never waits out its 60 s timeout.
+    assert time.monotonic() - t < 30.0
     version, _, _ = ray.get(channel.peers[0].state.remote())
     assert version is None
     _, (res,), src = sync(channel, BASE, 2, version=2)
@@ -154,7 +155,8 @@ def test_receiver_dies_sender_fails_within_timeout(ray_cluster, kind):
             Sender(ch.txs[0], BucketPool(bucket_bytes=BUCKET_BYTES)).send_sync(
                 "d", 1, SlowSource(src.tensors, 0.02), build_plan(src.param_metas(), bucket_bytes=BUCKET_BYTES),
                 timeout_s=8.0)
-        assert time.monotonic() - t < 10.0
+        # Bounded by the 8 s timeout plus teardown slack on a loaded 2-core machine: no hang.
+        assert time.monotonic() - t < 30.0
     finally:
         for tx in ch.txs:
             tx.close()

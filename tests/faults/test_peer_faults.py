@@ -44,7 +44,7 @@ def test_receiver_raises_inside_torch_dist_transfer(pool):
         t0 = time.monotonic()
         with pytest.raises(SyncError, match="injected: staging buffer poisoned") as err:
             sync.push(pool.next_version())
-        assert time.monotonic() - t0 < 5.0
+        assert time.monotonic() - t0 < TIMEOUT_S, "the engine's error must end the push, not the sync timeout"
         assert "receiver 1" in str(err.value)
         assert not any(e.committed for e in err.value.metrics.engines)
         for e in engines:

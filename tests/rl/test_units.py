@@ -37,7 +37,7 @@ def test_version_board_waits_for_the_lowest_member():
     threading.Timer(0.2, board.record, (["a", "b"], 5)).start()
     t0 = time.monotonic()
     assert board.wait_min(4, 5.0, hopeless=lambda: None) == 5
-    assert 0.1 < time.monotonic() - t0 < 3.0
+    assert 0.1 < time.monotonic() - t0 < 5.0  # woken by record(), before the 5 s timeout
     with pytest.raises(TimeoutError, match="version 9"):
         board.wait_min(9, 0.3, hopeless=lambda: None)
     with pytest.raises(RuntimeError, match="no push in flight"):

@@ -17,6 +17,7 @@ See ``docs/vllm.md``.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -79,6 +80,13 @@ class VLLMEngine:
             **kwargs,
         )
         self._in_process = type(self._llm.llm_engine.engine_core).__name__ == "InprocClient"
+        # vLLM's CPU attention builds its metadata for the OpenMP thread count of the thread that runs
+        # the step and checks it again in the kernel; a thread whose OpenMP count differs from torch's
+        # (any thread but the one that set it) fails that check. Every thread that drives an in-process
+        # engine adopts the count vLLM was started with. vLLM replaces ``torch.set_num_threads`` with a
+        # no-op in its worker, so the builtin is called.
+        self._threads = torch.get_num_threads()
+        self._thread_ready = threading.local()
         table = self._rpc("ws_init")
         self._metas = tuple(ParamMeta(name, dtype, tuple(shape)) for name, dtype, shape in table)
         self._by_name = {m.name: m for m in self._metas}
@@ -227,6 +235,7 @@ class VLLMEngine:
             raise ValueError(f"need non-empty prompts and max_new_tokens >= 1, got {len(prompts)} prompts / {max_new_tokens}")
         params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, logprobs=0 if logprobs else None)
         with self._gate.serving():
+            self._adopt_threads()
             version = self._version
             outs = self._llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         return [_generation(o, version) for o in outs]
@@ -245,7 +254,13 @@ class VLLMEngine:
         if not self._llm.reset_prefix_cache():
             raise RuntimeError("vLLM did not reset its prefix cache (requests still running)")
 
+    def _adopt_threads(self) -> None:
+        if self._in_process and not getattr(self._thread_ready, "done", False):
+            torch._C.set_num_threads(self._threads)
+            self._thread_ready.done = True
+
     def _rpc(self, method: str, *args: object) -> object:
+        self._adopt_threads()
         results = self._llm.collective_rpc(method, timeout=self._config.rpc_timeout_s, args=args)
         return results[0]
 
