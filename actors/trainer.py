@@ -9,6 +9,7 @@ numpy arrays, msgpack bytes), never project objects.
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from datetime import timedelta
 
@@ -68,6 +69,7 @@ class TrainerShardCore:
         self._plan: SyncPlan | None = None
         self._factors = None  # sync_service.factors.trainer.FactorTrainer, in factor modes
         self._full_shapes: dict[str, tuple[int, ...]] = {}
+        self._send_lock = threading.Lock()  # one send at a time: sends share the bucket pool and the adapter
 
     # -- setup -----------------------------------------------------------------------------
     def rendezvous_address(self) -> tuple[str, int]:
@@ -171,6 +173,16 @@ class TrainerShardCore:
         Returns seconds per stage (``gather_s``, ``merge_s``, ``pack_s``, ``transfer_s``, ``ack_wait_s``,
         ``total_s``) and sizes (``payload_bytes``, ``buckets``, ``entries``).
         """
+        if not self._send_lock.acquire(timeout=timeout_s):
+            self._state().drop_snapshot(version)
+            raise TimeoutError(f"trainer rank {self.spec.rank}: send({version}) waited {timeout_s:.0f} s for the "
+                               f"previous send to end; raise SyncConfig.timeout_s or check that rank")
+        try:
+            return self._send(session, version, names, timeout_s, check_finite)
+        finally:
+            self._send_lock.release()
+
+    def _send(self, session: str, version: int, names: list[str] | None, timeout_s: float, check_finite: bool) -> dict:
         if self._sender is None or self._plan is None:
             self._state().drop_snapshot(version)
             raise RuntimeError("send before open_transport")

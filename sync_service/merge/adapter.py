@@ -65,11 +65,22 @@ class LoraAdapter:
         dora_magnitudes: base name → DoRA magnitude m [out] (fp32): the merged tensor is
             ``m / ‖W + ΔW‖_row · (W + ΔW)`` (2D dense tensors only).
         replacements: base name → trained copy (modules_to_save); replaces the base tensor.
+        derived: ``(copy, source)`` pairs, in creation order: tensors above that are re-laid-out or
+            cast copies of a view ``source`` of the state dict normalised (everything else is a view
+            of it). ``refresh()`` re-derives them, so a trainer that writes new values into the same
+            state-dict tensors gets an up-to-date adapter without normalising again.
     """
 
     terms: dict[str, list[LoraTerm]] = field(default_factory=dict)
     dora_magnitudes: dict[str, torch.Tensor] = field(default_factory=dict)
     replacements: dict[str, torch.Tensor] = field(default_factory=dict)
+    derived: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    def refresh(self) -> None:
+        """Re-derive every copy from its state-dict source (after the sources changed in place).
+        Costs one pass over the copied factor bytes; allocates nothing."""
+        for copy, source in self.derived:
+            copy.copy_(source)
 
     def changed_names(self) -> frozenset[str]:
         """Base names whose merged values differ from the base."""

@@ -16,6 +16,7 @@ from protocols.params import Box, ParamMeta, box_shape, full_box
 from sync_service.merge.adapter import LoraAdapter
 from sync_service.merge.base import BaseProvider
 from sync_service.merge.errors import MergeError
+from sync_service.merge.finite import all_finite
 from sync_service.merge.layouts import FamilyLayout
 from sync_service.merge.staging import Scratch, apply_parts, apply_terms, chunks, term_parts
 from sync_service.merge.targets import target_pieces
@@ -182,7 +183,7 @@ class MergedSource:
         return self.base.read(name, box)
 
     def _check(self, name: str, values: torch.Tensor) -> None:
-        if self.config.check_finite and not bool(torch.isfinite(values).all()):
+        if self.config.check_finite and not all_finite(values):
             raise MergeError(f"merged {name} has NaN or Inf values; check the adapter factors and the base")
 
     def iter_tensors(self, target: str = "hf-fused") -> Iterator[tuple[str, torch.Tensor]]:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from sync_service.sharding.rules import ShardSpec
 
-__all__ = ["factor_kind", "local_factors", "gather_factors"]
+__all__ = ["FactorGather", "factor_kind", "local_factors", "gather_factors"]
 
 _FUSED_A = re.compile(r"\.experts\.(base_layer\.)?lora_A\.weight$")
 _FUSED_B = re.compile(r"\.experts\.(base_layer\.)?lora_B\.weight$")
@@ -88,30 +88,131 @@ def gather_factors(local: Mapping[str, torch.Tensor], spec: ShardSpec, *, num_ex
     """All-gather the EP-sharded factors into a full PEFT state dict (new tensors; ``local`` untouched).
 
     Collective: every rank of ``group`` calls it with the same key structure. Blocks at most
-    ``timeout_s`` per collective. With ``spec.ep == 1`` no communication happens (returns clones).
+    ``timeout_s`` per collective. With ``spec.ep == 1`` no communication happens (returns copies).
+    A trainer that syncs every step keeps a ``FactorGather`` instead (buffers reused).
 
     Raises:
         RuntimeError: a collective did not complete within ``timeout_s``.
     """
-    if spec.ep == 1:
-        return {k: v.clone() for k, v in local.items()}
-    ep, e_local, tp = spec.ep, num_experts // spec.ep, spec.tp
-    timeout = timedelta(seconds=timeout_s)
-    out: dict[str, torch.Tensor] = {}
-    for key in sorted(k for k in local if factor_kind(k) in ("rows", "rank_major")):
-        t = local[key].contiguous()
-        parts = [torch.empty_like(t) for _ in range(spec.world_size)]
-        dist.all_gather(parts, t, group=group, async_op=True).wait(timeout)
-        parts = parts[::tp]  # one per EP rank (TP ranks of one EP rank hold equal factors)
+    return dict(FactorGather(spec, num_experts=num_experts, group=group, timeout_s=timeout_s).gather(local))
+
+
+class FactorGather:
+    """Assembles one trainer rank's factors into full-size PEFT factors, in buffers that are reused.
+
+    ``exchange=True``: the rank's fused expert factors are packed into one flat buffer and
+    all-gathered in one collective (per dtype), then copied into the full factors; legacy per-expert
+    factors are broadcast from their owners. ``exchange=False``: no collective — only this rank's
+    experts are filled in and the other EP ranks' expert slots stay zero. That is all a rank needs
+    to merge its own expert block (an EP rank produces only its experts' boxes), so a trainer syncs
+    with no collective at all. Replicated factors are copied in both modes.
+
+    Buffers are allocated on the first call and whenever the key structure (keys, shapes, dtypes)
+    changes; ``generation`` counts those allocations, so a caller can keep objects derived from the
+    buffers (a normalised adapter, see ``LoraAdapter.refresh``) until it changes.
+
+    Collective (``exchange=True`` and ``ep > 1``): every rank of ``group`` calls ``gather`` with the
+    same key structure.
+    """
+
+    def __init__(self, spec: ShardSpec, *, num_experts: int, group: dist.ProcessGroup | None, timeout_s: float,
+                 exchange: bool = True) -> None:
+        if spec.ep > 1 and num_experts % spec.ep:
+            raise ValueError(f"num_experts={num_experts} is not divisible by ep={spec.ep}")
+        self.spec, self.num_experts, self.group, self.exchange = spec, num_experts, group, exchange
+        self.timeout = timedelta(seconds=timeout_s)
+        self.generation = 0
+        self._structure: tuple | None = None
+        self._full: dict[str, torch.Tensor] = {}
+        self._flat: dict[torch.dtype, tuple[list[str], torch.Tensor, torch.Tensor]] = {}  # dtype → (keys, send, recv [world, n])
+
+    def gather(self, local: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """The full factors of ``local`` (this rank's part); the returned tensors are overwritten by the
+        next call. Blocks at most ``timeout_s`` per collective.
+
+        Raises:
+            RuntimeError: a collective did not complete within ``timeout_s``.
+        """
+        structure = tuple(sorted((k, tuple(v.shape), v.dtype) for k, v in local.items()))
+        if structure != self._structure:
+            self._allocate(local)
+            self._structure, self.generation = structure, self.generation + 1
+        if self.spec.ep > 1 and self.exchange:
+            for keys, send, recv in self._flat.values():
+                self._all_gather(keys, send, recv, local)
+            for key, buf in _broadcast_expert_keys(local, self.spec, self.num_experts // self.spec.ep, self.group,
+                                                   self.timeout).items():
+                self._full[key].copy_(buf)
+        elif self.spec.ep > 1:
+            for keys, _, _ in self._flat.values():
+                for key in keys:
+                    self._place(key, self.spec.ep_rank, local[key])
+        for key, t in local.items():
+            if self.spec.ep == 1 or factor_kind(key) == "replicated" or (factor_kind(key) == "expert" and not self.exchange):
+                self._full[key].copy_(t)
+        return self._full
+
+    def _place(self, key: str, ep_rank: int, part: torch.Tensor) -> None:
+        """Copy EP rank ``ep_rank``'s part of the fused factor ``key`` into the full factor."""
+        shape = part.shape
         if factor_kind(key) == "rows":
-            out[key] = torch.cat(parts, dim=0)
+            self._full[key][ep_rank * shape[0]:(ep_rank + 1) * shape[0]].copy_(part)
         else:
-            r = t.shape[1] // e_local
-            out[key] = torch.cat([p.reshape(t.shape[0], r, e_local) for p in parts], dim=2).reshape(t.shape[0], r * num_experts)
-    out.update(_broadcast_expert_keys(local, spec, e_local, group, timeout))
-    for key, t in local.items():
-        if factor_kind(key) == "replicated":
-            out[key] = t.clone()
+            e_local = self.num_experts // self.spec.ep
+            r = shape[1] // e_local
+            dst = self._full[key].view(shape[0], r, self.num_experts)[:, :, ep_rank * e_local:(ep_rank + 1) * e_local]
+            dst.copy_(part.view(shape[0], r, e_local))
+
+    def _allocate(self, local: Mapping[str, torch.Tensor]) -> None:
+        spec, e = self.spec, self.num_experts
+        full, flat = {}, {}
+        for key in sorted(local):
+            t, kind = local[key], factor_kind(key) if spec.ep > 1 else "replicated"
+            if kind == "rows":
+                full[key] = torch.zeros((t.shape[0] * spec.ep, *t.shape[1:]), dtype=t.dtype)
+            elif kind == "rank_major":
+                full[key] = torch.zeros((t.shape[0], t.shape[1] * spec.ep), dtype=t.dtype)
+            elif kind == "replicated":
+                full[key] = torch.empty_like(t)
+            if kind in ("rows", "rank_major"):
+                flat.setdefault(t.dtype, []).append(key)
+        if spec.ep > 1:
+            full.update({k: torch.zeros_like(v) for k, v in _expert_key_shapes(local, spec, e // spec.ep).items()})
+        self._full = full
+        self._flat = {}
+        for dtype, keys in flat.items():
+            n = sum(local[k].numel() for k in keys)
+            exchange = self.exchange and spec.ep > 1
+            self._flat[dtype] = (keys, torch.empty(n if exchange else 0, dtype=dtype),
+                                 torch.empty((spec.world_size, n) if exchange else (0,), dtype=dtype))
+
+    def _all_gather(self, keys: list[str], send: torch.Tensor, recv: torch.Tensor, local) -> None:
+        spec = self.spec
+        offset = 0
+        for key in keys:
+            n = local[key].numel()
+            send[offset:offset + n].view(local[key].shape).copy_(local[key])
+            offset += n
+        dist.all_gather(list(recv.unbind(0)), send, group=self.group, async_op=True).wait(self.timeout)
+        offset = 0
+        for key in keys:
+            shape, n = local[key].shape, local[key].numel()
+            for er in range(spec.ep):  # one part per EP rank (TP ranks of one EP rank hold equal factors)
+                self._place(key, er, recv[er * spec.tp, offset:offset + n].view(shape))
+            offset += n
+
+
+def _expert_key_shapes(local, spec: ShardSpec, e_local: int) -> dict[str, torch.Tensor]:
+    """Legacy per-expert keys of every EP rank's experts, named as ``_broadcast_expert_keys`` names them."""
+    mine = {k: v for k, v in local.items() if factor_kind(k) == "expert"}
+    if not mine:
+        return {}
+    first = min(int(_PER_EXPERT.search(k).group(1)) for k in mine)
+    out = {}
+    for er in range(spec.ep):
+        for key, t in mine.items():
+            peer_e = int(_PER_EXPERT.search(key).group(1)) - first + er * e_local
+            out[_PER_EXPERT.sub(f".experts.{peer_e}.", key, count=1)] = t
     return out
 
 

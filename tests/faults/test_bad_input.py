@@ -73,6 +73,31 @@ def test_version_regression_refused_nothing_applied(pool, synced):
     assert_unchanged(engines, before, "after a refused version regression")
 
 
+def test_non_finite_factors_refused_on_every_push(pool, synced):
+    """A training step that leaves NaN in a LoRA factor: the next push (whose adapter is refreshed in
+    place, not normalised again) is refused naming the factor key; nothing is applied; once the
+    factor is finite again the push goes through with the new values."""
+    sync, trainers, engines = synced
+    sync.push(pool.next_version())  # a delta sync on the cached adapter first
+    before = served(engines)
+    factors = ray.get(trainers[1].local_factors.remote(), timeout=30)
+    key = sorted(k for k in factors if "layers.1" in k and "lora_B" in k)[0]
+    poisoned = factors[key].copy()
+    poisoned.flat[5] = np.nan
+    ray.get(trainers[1].set_factors.remote({key: poisoned}), timeout=30)
+    try:
+        with pytest.raises(SyncError, match=rf"adapter key {key.replace('.', r'[.]')}: holds NaN or Inf") as err:
+            sync.push(pool.next_version())
+        assert not any(e.committed for e in err.value.metrics.engines)
+        assert_unchanged(engines, before, "after a NaN factor was refused")
+    finally:
+        ray.get(trainers[1].set_factors.remote({key: factors[key]}), timeout=30)
+    ray.get([t.train_step.remote(pool.next_version()) for t in trainers], timeout=30)
+    v = pool.next_version()
+    assert all(e.committed for e in sync.push(v).engines)
+    assert ray.get([e.weight_version.remote() for e in engines], timeout=30) == [v, v]
+
+
 def test_non_finite_merged_weights_refused_with_the_tensor_name(pool, synced):
     """With ``SyncConfig.check_finite`` the trainers check every merged box: finite factors whose
     product overflows fp32 (Inf), and a NaN in a base tensor (full fine-tuning), are refused naming
