@@ -60,7 +60,8 @@ def check_secret(secret: object, what: str = "secret") -> bytes:
 
 def read_secret_file(path: str | Path) -> bytes:
     """The secret stored in ``path``: its bytes with surrounding ASCII whitespace stripped (a
-    trailing newline from ``echo`` does not count).
+    trailing newline from ``echo`` does not count). Key files are text, e.g. ``openssl rand -hex 32``
+    (raw random bytes could begin or end with a whitespace byte, which would be stripped).
 
     Raises:
         FileNotFoundError: no such file.

@@ -57,12 +57,12 @@ class FactorTrainer:
     def delta(self, state, version: int, plan: SyncPlan, rank: int) -> list[str]:
         """Gather the snapshot's factors (collective), keep the source for ``source(version)``, and
         return this rank's recipe blocks whose bytes differ from the last committed version's."""
-        merged = self._prepared.get(version) or state.source(version)  # a retried push reuses it
+        merged = self._prepared.get(version) or state.source(version, whole_adapter=True)  # a retried push reuses it
         self._prepared = {version: merged}
         return self.ledger.changed(version, FactorSource(merged, plan), recipe_names_of(plan, rank))
 
     def source(self, state, version: int, plan: SyncPlan) -> FactorSource:
         """The version's ``FactorSource`` (prepared by ``delta`` when it ran; otherwise built now)."""
-        merged = self._prepared.get(version) or state.source(version)
+        merged = self._prepared.get(version) or state.source(version, whole_adapter=True)
         self._prepared = {version: merged}  # kept until the next version: a push retried without a dead engine
         return FactorSource(merged, plan)

@@ -98,30 +98,23 @@ def gather_factors(local: Mapping[str, torch.Tensor], spec: ShardSpec, *, num_ex
 
 
 class FactorGather:
-    """Assembles one trainer rank's factors into full-size PEFT factors, in buffers that are reused.
+    """All-gathers one trainer rank's EP-sharded factors into full-size PEFT factors, in reused buffers.
 
-    ``exchange=True``: the rank's fused expert factors are packed into one flat buffer and
-    all-gathered in one collective (per dtype), then copied into the full factors; legacy per-expert
-    factors are broadcast from their owners. ``exchange=False``: no collective — only this rank's
-    experts are filled in and the other EP ranks' expert slots stay zero. That is all a rank needs
-    to merge its own expert block (an EP rank produces only its experts' boxes), so a trainer syncs
-    with no collective at all. Replicated factors are copied in both modes.
+    Per ``gather``: the rank's fused expert factors are packed into one flat buffer and all-gathered
+    in one collective (per dtype), then copied into the full factors; legacy per-expert factors are
+    broadcast from their owners; replicated factors are copied. Buffers are allocated on the first
+    call and whenever the key structure (keys, shapes, dtypes) changes. (A trainer merging its own
+    expert block needs none of this: ``local_adapter.py``. This is for a rank that must hold the
+    whole adapter, e.g. to save it.)
 
-    Buffers are allocated on the first call and whenever the key structure (keys, shapes, dtypes)
-    changes; ``generation`` counts those allocations, so a caller can keep objects derived from the
-    buffers (a normalised adapter, see ``LoraAdapter.refresh``) until it changes.
-
-    Collective (``exchange=True`` and ``ep > 1``): every rank of ``group`` calls ``gather`` with the
-    same key structure.
+    Collective (``ep > 1``): every rank of ``group`` calls ``gather`` with the same key structure.
     """
 
-    def __init__(self, spec: ShardSpec, *, num_experts: int, group: dist.ProcessGroup | None, timeout_s: float,
-                 exchange: bool = True) -> None:
+    def __init__(self, spec: ShardSpec, *, num_experts: int, group: dist.ProcessGroup | None, timeout_s: float) -> None:
         if spec.ep > 1 and num_experts % spec.ep:
             raise ValueError(f"num_experts={num_experts} is not divisible by ep={spec.ep}")
-        self.spec, self.num_experts, self.group, self.exchange = spec, num_experts, group, exchange
+        self.spec, self.num_experts, self.group = spec, num_experts, group
         self.timeout = timedelta(seconds=timeout_s)
-        self.generation = 0
         self._structure: tuple | None = None
         self._full: dict[str, torch.Tensor] = {}
         self._flat: dict[torch.dtype, tuple[list[str], torch.Tensor, torch.Tensor]] = {}  # dtype → (keys, send, recv [world, n])
@@ -136,19 +129,15 @@ class FactorGather:
         structure = tuple(sorted((k, tuple(v.shape), v.dtype) for k, v in local.items()))
         if structure != self._structure:
             self._allocate(local)
-            self._structure, self.generation = structure, self.generation + 1
-        if self.spec.ep > 1 and self.exchange:
+            self._structure = structure
+        if self.spec.ep > 1:
             for keys, send, recv in self._flat.values():
                 self._all_gather(keys, send, recv, local)
             for key, buf in _broadcast_expert_keys(local, self.spec, self.num_experts // self.spec.ep, self.group,
                                                    self.timeout).items():
                 self._full[key].copy_(buf)
-        elif self.spec.ep > 1:
-            for keys, _, _ in self._flat.values():
-                for key in keys:
-                    self._place(key, self.spec.ep_rank, local[key])
         for key, t in local.items():
-            if self.spec.ep == 1 or factor_kind(key) == "replicated" or (factor_kind(key) == "expert" and not self.exchange):
+            if self.spec.ep == 1 or factor_kind(key) == "replicated":
                 self._full[key].copy_(t)
         return self._full
 
@@ -169,22 +158,20 @@ class FactorGather:
         for key in sorted(local):
             t, kind = local[key], factor_kind(key) if spec.ep > 1 else "replicated"
             if kind == "rows":
-                full[key] = torch.zeros((t.shape[0] * spec.ep, *t.shape[1:]), dtype=t.dtype)
+                full[key] = torch.empty((t.shape[0] * spec.ep, *t.shape[1:]), dtype=t.dtype)
             elif kind == "rank_major":
-                full[key] = torch.zeros((t.shape[0], t.shape[1] * spec.ep), dtype=t.dtype)
+                full[key] = torch.empty((t.shape[0], t.shape[1] * spec.ep), dtype=t.dtype)
             elif kind == "replicated":
                 full[key] = torch.empty_like(t)
             if kind in ("rows", "rank_major"):
                 flat.setdefault(t.dtype, []).append(key)
         if spec.ep > 1:
-            full.update({k: torch.zeros_like(v) for k, v in _expert_key_shapes(local, spec, e // spec.ep).items()})
+            full.update({k: torch.empty_like(v) for k, v in _expert_key_shapes(local, spec, e // spec.ep).items()})
         self._full = full
         self._flat = {}
         for dtype, keys in flat.items():
             n = sum(local[k].numel() for k in keys)
-            exchange = self.exchange and spec.ep > 1
-            self._flat[dtype] = (keys, torch.empty(n if exchange else 0, dtype=dtype),
-                                 torch.empty((spec.world_size, n) if exchange else (0,), dtype=dtype))
+            self._flat[dtype] = (keys, torch.empty(n, dtype=dtype), torch.empty((spec.world_size, n), dtype=dtype))
 
     def _all_gather(self, keys: list[str], send: torch.Tensor, recv: torch.Tensor, local) -> None:
         spec = self.spec

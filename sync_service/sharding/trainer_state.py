@@ -2,10 +2,10 @@
 
 A snapshot (``snapshot(version)``) clones the rank's local factors and modules_to_save — small —
 and pins the base shard object (the base is replaced copy-on-write, never written in place, so a
-pinned shard keeps its values). ``source(version)`` then assembles the snapshot's factors at full
-size in reused buffers — no collective: an EP rank produces only its own experts' boxes, which only
-its own factors feed — and returns a ``MergedSource`` over the rank's own base shard that produces
-exactly the rank's owned boxes. A sync never modifies the trainer's tensors.
+pinned shard keeps its values). ``source(version)`` then refreshes the rank's adapter with the
+snapshot's factors — no collective: an EP rank produces only its own experts' boxes, which only its
+own factors feed (``local_adapter.py``) — and returns a ``MergedSource`` over the rank's own base
+shard that produces exactly the rank's owned boxes. A sync never modifies the trainer's tensors.
 """
 
 from __future__ import annotations
@@ -17,12 +17,11 @@ from pathlib import Path
 
 import torch
 
-from sync_service.merge.adapter import LoraAdapter, adapter_from_state_dict
-from sync_service.merge.errors import MergeError
-from sync_service.merge.finite import all_finite
+from sync_service.merge.adapter import adapter_from_state_dict
 from sync_service.merge.source import MergeConfig, MergedSource
 from sync_service.sharding.base import ShardedBase
-from sync_service.sharding.factors import FactorGather, local_factors
+from sync_service.sharding.factors import gather_factors, local_factors
+from sync_service.sharding.local_adapter import FUSED_EXPERTS, LocalAdapter
 from sync_service.sharding.rules import ShardSpec
 
 __all__ = ["TrainerState", "Snapshot", "num_experts_of"]
@@ -70,10 +69,8 @@ class TrainerState:
         self._snapshots: dict[int, Snapshot] = {}
         self._sent: Snapshot | None = None  # the last snapshot handed to source(): a retried send reuses it
         # an EP rank merges only its own expert block: its own factors suffice, no collective per sync
-        self._gather = FactorGather(spec, num_experts=self.num_experts, group=group, timeout_s=gather_timeout_s,
-                                    exchange=False)
         _check_expert_ownership(base, spec, self.num_experts)
-        self._adapter: tuple[int, ShardedBase, LoraAdapter] | None = None  # (gather generation, base, adapter)
+        self._local = LocalAdapter(peft_config, spec, self.num_experts)
         self._changed = self._changed_names()
 
     @classmethod
@@ -139,14 +136,17 @@ class TrainerState:
         self._base_changed = False
         return changed
 
-    def source(self, version: int) -> MergedSource:
-        """Gather the snapshot's factors (collective) and build the merged source of the owned boxes.
+    def source(self, version: int, *, whole_adapter: bool = False) -> MergedSource:
+        """Refresh the adapter with the snapshot's factors and build the merged source of the owned boxes.
+
+        ``whole_adapter``: the source's adapter is the whole adapter (every expert's terms, as the
+        factor-streaming recipes index them), all-gathered from the trainer group — a collective.
 
         The snapshot is kept until the next ``source`` call, so a send retried after a peer failure
         (to the surviving engines) streams the same values.
 
         Raises:
-            KeyError: no snapshot of ``version``.
+            KeyError: no snapshot of ``version``. MergeError: a factor holds NaN or Inf (named).
         """
         snap = self._snapshots.pop(version, None)
         if snap is None and self._sent is not None and self._sent.version == version:
@@ -154,32 +154,16 @@ class TrainerState:
         self._sent = snap
         if snap is None:
             raise KeyError(f"no snapshot of version {version} on trainer rank {self.spec.rank}; call snapshot({version}) first")
-        adapter = None if self.peft_config is None else self._gathered_adapter(snap)
+        if self.peft_config is None:
+            adapter = None
+        elif whole_adapter:
+            full = gather_factors(snap.factors, self.spec, num_experts=self.num_experts, group=self.group,
+                                  timeout_s=self.gather_timeout_s)
+            adapter = adapter_from_state_dict(self.peft_config, full, snap.base.layout, snap.base.metas(),
+                                              tied_aliases=snap.base.tied_aliases)
+        else:
+            adapter = self._local.update(snap.factors, snap.base, rank=self.spec.rank)
         return MergedSource(snap.base, adapter, config=self.merge, owned=snap.base.owned(), layout=snap.base.layout)
-
-    def _gathered_adapter(self, snap: Snapshot) -> LoraAdapter:
-        """All-gather the snapshot's factors into the reused full-size buffers and return the adapter
-        over them: normalised (PEFT key rules, shape checks) when the factor structure or the base
-        object is new, otherwise refreshed in place (values only: ``LoraAdapter.refresh``).
-
-        The adapter is shared by consecutive sends, which this trainer runs one at a time.
-
-        Raises:
-            MergeError: a gathered factor holds NaN or Inf (named), or the adapter does not fit the base.
-        """
-        full = self._gather.gather(snap.factors)
-        for key, t in full.items():
-            if t.is_floating_point() and not all_finite(t):
-                raise MergeError(f"adapter key {key}: holds NaN or Inf values on trainer rank {self.spec.rank}; "
-                                 f"training diverged — the sync is refused and no engine is changed")
-        cached = self._adapter
-        if cached is not None and cached[0] == self._gather.generation and cached[1] is snap.base:
-            cached[2].refresh()
-            return cached[2]
-        adapter = adapter_from_state_dict(self.peft_config, full, snap.base.layout, snap.base.metas(),
-                                          tied_aliases=snap.base.tied_aliases)
-        self._adapter = (self._gather.generation, snap.base, adapter)
-        return adapter
 
     def drop_snapshot(self, version: int) -> None:
         self._snapshots.pop(version, None)
@@ -204,7 +188,7 @@ def _check_expert_ownership(base: ShardedBase, spec: ShardSpec, num_experts: int
     e_local = num_experts // spec.ep
     lo, hi = spec.ep_rank * e_local, (spec.ep_rank + 1) * e_local
     for m in base.owned():
-        if re.search(r"\.experts\.(gate_up_proj|down_proj)$", m.name) and m.box is not None:
+        if FUSED_EXPERTS.search(m.name) and m.box is not None:
             if not (lo <= m.box[0][0] and m.box[0][1] <= hi):
                 raise ValueError(f"trainer rank {spec.rank} owns {m.name} experts {m.box[0]} outside its block "
                                  f"[{lo}, {hi}); EP ranks produce only their own experts")

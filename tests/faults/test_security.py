@@ -118,13 +118,15 @@ def test_weightsync_generates_a_per_session_secret(pool):
 
 
 def test_secret_files(tmp_path):
+    """Key files are text (``openssl rand -hex 32``, as docs/deploy.md says), surrounding whitespace stripped."""
+    key = SECRET.hex().encode()
     path = tmp_path / "secret"
-    path.write_bytes(SECRET + b"\n")
+    path.write_bytes(key + b"\n")
     path.chmod(0o600)
-    assert read_secret_file(path) == SECRET
-    assert resolve_secret(None, {SECRET_FILE_ENV: str(path)}) == SECRET
+    assert read_secret_file(path) == key
+    assert resolve_secret(None, {SECRET_FILE_ENV: str(path)}) == key
     assert resolve_secret(None, {}) is None
-    assert fingerprint(SECRET) == fingerprint(read_secret_file(path)) != fingerprint(new_secret())
+    assert fingerprint(key) == fingerprint(read_secret_file(path)) != fingerprint(new_secret())
     path.chmod(0o666)
     with pytest.raises(PermissionError, match="chmod 600"):
         read_secret_file(path)

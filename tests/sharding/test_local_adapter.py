@@ -1,0 +1,83 @@
+"""An EP / TP rank merges its owned boxes from its own factors only (``LocalAdapter``): every box equals,
+bit for bit, the same box merged by the same rank from the whole adapter (every expert's factors, as
+PEFT saved them), on the first sync (normalised) and after a factor update (refreshed in place, not
+normalised again). The whole-adapter merge itself is checked against PEFT in tests/merge."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import PeftConfig
+from safetensors.torch import load_file
+
+from protocols.params import box_shape
+from sync_service.merge.adapter import adapter_from_state_dict
+from sync_service.merge.base import SafetensorsBase
+from sync_service.merge.errors import MergeError
+from sync_service.merge.source import MergeConfig, MergedSource
+from sync_service.sharding.factors import local_factors
+from sync_service.sharding.rules import ShardSpec
+from sync_service.sharding.trainer_state import TrainerState
+from sync_service.synthetic import make_adapter, make_base
+
+E = 4
+
+
+@pytest.fixture(scope="module", params=[("qwen3_moe", "target_parameters"), ("qwen3_moe", "legacy"),
+                                        ("mixtral", "legacy"), ("gpt_oss", "target_parameters")])
+def checkpoint(request, tmp_path_factory):
+    family, kind = request.param
+    root = tmp_path_factory.mktemp(f"{family}-{kind}")
+    make_base(family, root / "base", num_experts=E)
+    make_adapter(family, root / "base", root / "lora", kind=kind, r=2, lora_alpha=6, seed=3)
+    return root / "base", root / "lora"
+
+
+def whole_adapter(base: SafetensorsBase, adapter_dir, scale: float):
+    """The whole adapter with every factor multiplied by ``scale``."""
+    factors = {k: v * scale for k, v in load_file(str(adapter_dir / "adapter_model.safetensors")).items()}
+    return adapter_from_state_dict(PeftConfig.from_pretrained(str(adapter_dir)), factors, base.layout,
+                                   base.metas(), tied_aliases=base.tied_aliases)
+
+
+@pytest.mark.parametrize("ep,tp", [(2, 1), (4, 1), (2, 2)])
+def test_rank_boxes_equal_the_whole_merge_before_and_after_a_refresh(checkpoint, ep, tp):
+    base_dir, adapter_dir = checkpoint
+    wholes = {scale: whole_adapter(SafetensorsBase(base_dir), adapter_dir, scale) for scale in (1.0, -2.5)}
+    for rank in range(ep * tp):
+        state = TrainerState.from_checkpoint(base_dir, adapter_dir, ShardSpec(rank=rank, ep=ep, tp=tp))
+        for version, scale in enumerate((1.0, -2.5)):
+            if scale != 1.0:
+                state.set_factors({k: v * scale for k, v in state.factors.items()})
+            state.snapshot(version)
+            source = state.source(version)
+            ref = MergedSource(state.base, wholes[scale], config=MergeConfig(), owned=state.owned(),
+                               layout=state.base.layout)
+            assert source.changed_names() == ref.changed_names()
+            for m in state.owned():
+                out, want = (torch.empty(box_shape(m.box), dtype=getattr(torch, m.dtype)) for _ in range(2))
+                source.fill(m.name, m.box, out)
+                ref.fill(m.name, m.box, want)
+                assert torch.equal(out, want), f"rank {rank} of ep={ep} tp={tp}, v{version}: {m.name} {m.box}"
+
+
+def test_non_finite_factor_refused_naming_the_key(checkpoint):
+    base_dir, adapter_dir = checkpoint
+    state = TrainerState.from_checkpoint(base_dir, adapter_dir, ShardSpec(rank=1, ep=2, tp=1))
+    state.snapshot(0)
+    state.source(0)
+    key = sorted(state.factors)[0]
+    bad = state.factors[key].clone()
+    bad.view(-1)[0] = float("inf")
+    state.set_factors({key: bad})
+    state.snapshot(1)
+    with pytest.raises(MergeError, match=rf"adapter key {key.replace('.', '[.]')}: holds NaN or Inf values on trainer rank 1"):
+        state.source(1)
+
+
+def test_local_factors_of_a_rank_are_all_it_reads(checkpoint):
+    """The rank's local factors hold only its experts' rows / columns (what the local adapter is built on)."""
+    base_dir, adapter_dir = checkpoint
+    full = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    local = local_factors(full, ShardSpec(rank=1, ep=2, tp=1), num_experts=E)
+    assert sum(t.numel() for t in local.values()) < sum(t.numel() for t in full.values())
