@@ -100,7 +100,8 @@ def run_disk(model: BenchModel, cfg: BenchConfig, size: int, work_dir: Path, say
             ray.kill(actor)
     return Row(kind="disk", size=size, model_bytes=model.shape.bf16_bytes(), bytes=written, engines=1, seconds=seconds,
                stages=stages[median_index(seconds)], trainer_peak_rss_bytes=rss.peak_bytes("trainer"),
-               trainer_peak_extra_bytes=rss.max_extra_bytes("trainer"), engine_peak_rss_bytes=rss.peak_bytes("engine"))
+               trainer_peak_extra_bytes=rss.max_extra_bytes("trainer"),
+               trainer_peak_extra_rss_bytes=rss.max_extra_rss_bytes("trainer"), engine_peak_rss_bytes=rss.peak_bytes("engine"))
 
 
 def _gather_merged(shard, version: int, metas_by_rank: list[list], timeout_s: float) -> dict:
@@ -200,5 +201,6 @@ def run_gather(model: BenchModel, cfg: BenchConfig, size: int, say=print) -> Row
             ray.kill(actor)
     return Row(kind="gather", size=size, model_bytes=model.shape.bf16_bytes(), bytes=nbytes, engines=1, seconds=seconds,
                stages=stages[median_index(seconds)], trainer_peak_rss_bytes=rss.peak_bytes("trainer"),
-               trainer_peak_extra_bytes=rss.max_extra_bytes("trainer"), engine_peak_rss_bytes=rss.peak_bytes("engine"))
+               trainer_peak_extra_bytes=rss.max_extra_bytes("trainer"),
+               trainer_peak_extra_rss_bytes=rss.max_extra_rss_bytes("trainer"), engine_peak_rss_bytes=rss.peak_bytes("engine"))
 

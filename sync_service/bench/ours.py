@@ -70,6 +70,7 @@ def _row(kind: str, trainers: list, engines: list, tpids: list[int], cfg: BenchC
     return Row(kind=kind, size=size, model_bytes=model_bytes, bytes=best.bytes, engines=len(engines),
                seconds=[m.seconds for m in metrics], stages={k: getattr(best, k) for k in STAGES},
                trainer_peak_rss_bytes=rss.peak_bytes("trainer"), trainer_peak_extra_bytes=rss.max_extra_bytes("trainer"),
+               trainer_peak_extra_rss_bytes=rss.max_extra_rss_bytes("trainer"),
                engine_peak_rss_bytes=rss.peak_bytes("engine"))
 
 

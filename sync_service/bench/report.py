@@ -78,8 +78,8 @@ def build_report(rows: list[Row], cfg: BenchConfig, *, factor_bytes: dict[int, i
 
 def markdown_table(report: dict) -> str:
     """One line per row and size: seconds, GB/s, x floor, memory, stage seconds."""
-    head = ("| size | row | engines | GB | median s | GB/s | x floor | trainer peak RSS GB | trainer extra MB | "
-            "engine peak RSS GB | gather / merge / pack / transfer / apply s |")
+    head = ("| size | row | engines | GB | median s | GB/s | x floor | trainer peak RSS GB | trainer extra MB "
+            "(allocated / RSS) | engine peak RSS GB | gather / merge / pack / transfer / apply s |")
     lines = [head, "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in report["rows"]:
         st = r["stages"]
@@ -87,7 +87,8 @@ def markdown_table(report: dict) -> str:
         ratio = f"{r['ratio_to_floor']:.2f}" if r["ratio_to_floor"] else "-"
         lines.append(f"| {r['size']}x | {r['kind']} | {r['engines']} | {r['bytes'] / 1e9:.3f} | {r['median_s']:.3f} | "
                      f"{r['gb_per_s']:.3f} | {ratio} | {r['trainer_peak_rss_bytes'] / 1e9:.2f} | "
-                     f"{r['trainer_peak_extra_bytes'] / 1e6:.0f} | {r['engine_peak_rss_bytes'] / 1e9:.2f} | {stages} |")
+                     f"{r['trainer_peak_extra_bytes'] / 1e6:.0f} / {r.get('trainer_peak_extra_rss_bytes', 0) / 1e6:.0f} | "
+                     f"{r['engine_peak_rss_bytes'] / 1e9:.2f} | {stages} |")
     return "\n".join(lines)
 
 
@@ -114,7 +115,7 @@ def write_plot(report: dict, path: Path) -> None:
             ax_m.plot(*zip(*pts), marker="o", label=label)
     pts = sorted((_model_gb(report, s), v / 1e9) for s, v in report["trainer_budget_bytes"].items())
     ax_m.plot(*zip(*pts), linestyle="--", color="gray", label="2 x bucket + factors")
-    ax_m.set(xlabel="model GB (bf16)", ylabel="trainer peak extra RSS, GB", title="memory (one trainer process)")
+    ax_m.set(xlabel="model GB (bf16)", ylabel="trainer peak extra allocated (anon + shm), GB", title="memory (one trainer process)")
     ax_m.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)

@@ -77,7 +77,9 @@ class Row:
 
     ``bytes``: payload bytes of one run (the merged bytes one engine receives). RSS in bytes:
     ``*_peak_rss_bytes`` the peak of the group's summed RSS during the row; ``trainer_peak_extra_bytes``
-    the largest growth of one trainer process over its RSS before the row's first run.
+    the largest growth of one trainer process's allocated bytes (anonymous + shared memory, see
+    ``rss.allocated_bytes``) over their value before the row's first run; ``trainer_peak_extra_rss_bytes``
+    the same for RSS (which also counts the first read of a memory-mapped base shard).
     """
 
     kind: str
@@ -89,6 +91,7 @@ class Row:
     stages: dict[str, float] = field(default_factory=dict)
     trainer_peak_rss_bytes: int = 0
     trainer_peak_extra_bytes: int = 0
+    trainer_peak_extra_rss_bytes: int = 0
     engine_peak_rss_bytes: int = 0
     note: str = ""
 

@@ -1,4 +1,6 @@
-"""Peak resident set size of a group of processes (Ray actor pids), sampled by psutil in a thread."""
+"""Peak memory of groups of processes (Ray actor pids), sampled in a thread: RSS (psutil) and the
+memory a process allocated — anonymous + shared-memory pages (``RssAnon + RssShmem`` of
+``/proc/<pid>/status``), i.e. RSS without the file-backed pages of memory-mapped checkpoints."""
 
 from __future__ import annotations
 
@@ -24,14 +26,33 @@ def _getpid(_self) -> int:
     return os.getpid()
 
 
+def allocated_bytes(proc: psutil.Process) -> int:
+    """Anonymous + shared-memory resident bytes of ``proc`` (shm rings and the Ray object store
+    count; pages of a memory-mapped safetensors file do not: they are the page cache's). Falls back
+    to RSS where ``/proc/<pid>/status`` has no ``RssAnon`` (non-Linux)."""
+    fields = {}
+    try:
+        with open(f"/proc/{proc.pid}/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("RssAnon", "RssShmem"):
+                    fields[key] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    return sum(fields.values()) if "RssAnon" in fields else proc.memory_info().rss
+
+
 class RssSampler:
     """Samples RSS (bytes; shared pages a process touched count, e.g. shm rings and the Ray object
-    store) of named process groups every ``interval_s`` while entered.
+    store) and allocated bytes (``allocated_bytes``) of named process groups every ``interval_s``
+    while entered.
 
     ``groups``: group name (``"trainer"``, ``"engine"``) -> pids. After exit: ``base[pid]`` (RSS at
     enter), ``peak[pid]``; ``peak_bytes(group)`` the peak of the group's summed RSS;
-    ``max_extra_bytes(group)`` the largest growth of one process over its RSS at enter. A process
-    that exits is sampled as 0 from then on.
+    ``max_extra_bytes(group)`` the largest growth of one process's *allocated* bytes over its value
+    at enter (a trainer reading its memory-mapped base shard for the first time grows its RSS by the
+    shard, which is not memory the sync allocates); ``max_extra_rss_bytes(group)`` the same for RSS.
+    A process that exits is sampled as 0 from then on.
     """
 
     def __init__(self, groups: Mapping[str, list[int]], *, interval_s: float = 0.02) -> None:
@@ -40,20 +61,25 @@ class RssSampler:
         self.interval_s = interval_s
         self.base: dict[int, int] = {}
         self.peak: dict[int, int] = {}
+        self.alloc_base: dict[int, int] = {}
+        self.alloc_peak: dict[int, int] = {}
         self._group_peak: dict[str, int] = {g: 0 for g in self.groups}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
 
-    def _sample(self) -> dict[int, int]:
-        out = {}
+    def _sample(self) -> tuple[dict[int, int], dict[int, int]]:
+        rss, alloc = {}, {}
         for pid, proc in self._procs.items():
             try:
-                out[pid] = proc.memory_info().rss
+                rss[pid], alloc[pid] = proc.memory_info().rss, allocated_bytes(proc)
             except psutil.Error:
-                out[pid] = 0
-        return out
+                rss[pid], alloc[pid] = 0, 0
+        return rss, alloc
 
-    def _record(self, rss: dict[int, int]) -> None:
+    def _record(self, sample: tuple[dict[int, int], dict[int, int]]) -> None:
+        rss, alloc = sample
+        for pid, value in alloc.items():
+            self.alloc_peak[pid] = max(self.alloc_peak.get(pid, 0), value)
         for pid, value in rss.items():
             self.peak[pid] = max(self.peak.get(pid, 0), value)
         for g, pids in self.groups.items():
@@ -64,8 +90,9 @@ class RssSampler:
             self._record(self._sample())
 
     def __enter__(self) -> "RssSampler":
-        self.base = self._sample()
-        self._record(self.base)
+        sample = self._sample()
+        self.base, self.alloc_base = sample
+        self._record(sample)
         self._thread.start()
         return self
 
@@ -78,4 +105,7 @@ class RssSampler:
         return self._group_peak.get(group, 0)
 
     def max_extra_bytes(self, group: str) -> int:
+        return max((self.alloc_peak[p] - self.alloc_base[p] for p in self.groups.get(group, [])), default=0)
+
+    def max_extra_rss_bytes(self, group: str) -> int:
         return max((self.peak[p] - self.base[p] for p in self.groups.get(group, [])), default=0)

@@ -40,6 +40,7 @@ def run_floor(nbytes: int, cfg: BenchConfig, size: int, model_bytes: int) -> Row
     return Row(kind="floor", size=size, model_bytes=model_bytes, bytes=nbytes, engines=1, seconds=seconds,
                stages={"transfer_s": sorted(seconds)[(len(seconds) - 1) // 2]},
                trainer_peak_rss_bytes=rss.peak_bytes("trainer"), trainer_peak_extra_bytes=rss.max_extra_bytes("trainer"),
+               trainer_peak_extra_rss_bytes=rss.max_extra_rss_bytes("trainer"),
                engine_peak_rss_bytes=rss.peak_bytes("engine"), note="writer: the bench process; reader: a spawned process")
 
 

@@ -20,7 +20,7 @@ import torch
 from sync_service.merge.adapter import adapter_from_state_dict
 from sync_service.merge.source import MergeConfig, MergedSource
 from sync_service.sharding.base import ShardedBase
-from sync_service.sharding.factors import gather_factors, local_factors
+from sync_service.sharding.factors import FactorGather, local_factors
 from sync_service.sharding.local_adapter import FUSED_EXPERTS, LocalAdapter
 from sync_service.sharding.rules import ShardSpec
 
@@ -71,6 +71,7 @@ class TrainerState:
         # an EP rank merges only its own expert block: its own factors suffice, no collective per sync
         _check_expert_ownership(base, spec, self.num_experts)
         self._local = LocalAdapter(peft_config, spec, self.num_experts)
+        self._gather: FactorGather | None = None  # whole-adapter sources (factor streaming) only
         self._changed = self._changed_names()
 
     @classmethod
@@ -157,8 +158,10 @@ class TrainerState:
         if self.peft_config is None:
             adapter = None
         elif whole_adapter:
-            full = gather_factors(snap.factors, self.spec, num_experts=self.num_experts, group=self.group,
-                                  timeout_s=self.gather_timeout_s)
+            if self._gather is None:
+                self._gather = FactorGather(self.spec, num_experts=self.num_experts, group=self.group,
+                                            timeout_s=self.gather_timeout_s)
+            full = self._gather.gather(snap.factors)  # reused buffers: one source in use at a time
             adapter = adapter_from_state_dict(self.peft_config, full, snap.base.layout, snap.base.metas(),
                                               tied_aliases=snap.base.tied_aliases)
         else:
