@@ -166,7 +166,7 @@ class TrainerShardCore:
 
     def send(self, session: str, version: int, names: list[str] | None, timeout_s: float, *,
              check_finite: bool = False) -> dict:
-        """Gather factors, merge and stream this rank's part of ``version``; blocks until every engine acked.
+        """Refresh the adapter, merge and stream this rank's part of ``version``; blocks until every engine acked.
         ``check_finite``: a merged NaN/Inf fails the sync with ``MergeError`` naming the tensor (the
         engines are told to abort before anything is committed).
 

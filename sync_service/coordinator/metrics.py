@@ -28,7 +28,8 @@ class SyncMetrics:
     """What one push moved and where its time went.
 
     Stage seconds are the slowest trainer's (stages of different trainers run in parallel):
-    ``gather_s`` factor all-gather, ``merge_s`` merge into bucket views (``WeightSource.fill``),
+    ``gather_s`` preparing the factors before the first bucket (the adapter refresh; in factor modes
+    the trainer group's all-gather), ``merge_s`` merge into bucket views (``WeightSource.fill``),
     ``pack_s`` checksums + headers, ``transfer_s`` inside ``Transport.send`` (overlaps packing),
     ``apply_s`` the slowest engine's apply copies, ``commit_s`` the commit round.
     ``seconds`` is the wall time of the transfer (after the snapshot), ``bytes`` the payload bytes
