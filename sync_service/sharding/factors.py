@@ -189,36 +189,30 @@ class FactorGather:
             offset += n
 
 
-def _expert_key_shapes(local, spec: ShardSpec, e_local: int) -> dict[str, torch.Tensor]:
-    """Legacy per-expert keys of every EP rank's experts, named as ``_broadcast_expert_keys`` names them."""
-    mine = {k: v for k, v in local.items() if factor_kind(k) == "expert"}
+def _expert_keys_by_rank(local, spec: ShardSpec, e_local: int) -> list[tuple[int, str, str]]:
+    """Legacy per-expert keys: ``(ep_rank, own key, that rank's key)`` for every EP rank, in one order
+    on all ranks. Every EP rank holds the same per-expert key set for its own experts, so a peer's
+    keys are this rank's renumbered into the peer's block."""
+    mine = sorted(k for k in local if factor_kind(k) == "expert")
     if not mine:
-        return {}
+        return []
     first = min(int(_PER_EXPERT.search(k).group(1)) for k in mine)
-    out = {}
-    for er in range(spec.ep):
-        for key, t in mine.items():
-            peer_e = int(_PER_EXPERT.search(key).group(1)) - first + er * e_local
-            out[_PER_EXPERT.sub(f".experts.{peer_e}.", key, count=1)] = t
-    return out
+    return [(er, key, _PER_EXPERT.sub(f".experts.{int(_PER_EXPERT.search(key).group(1)) - first + er * e_local}.", key, count=1))
+            for er in range(spec.ep) for key in mine]
+
+
+def _expert_key_shapes(local, spec: ShardSpec, e_local: int) -> dict[str, torch.Tensor]:
+    """Legacy per-expert keys of every EP rank's experts → a local factor of the same shape."""
+    return {peer: local[own] for _, own, peer in _expert_keys_by_rank(local, spec, e_local)}
 
 
 def _broadcast_expert_keys(local, spec, e_local, group, timeout) -> dict[str, torch.Tensor]:
     """Legacy per-expert factors: each broadcast from the first rank of its owning EP block."""
-    mine = {k: v for k, v in local.items() if factor_kind(k) == "expert"}
-    if not mine:
-        return {}
-    # every EP rank holds the same per-expert key set for its own experts: rename to find peers' keys
-    first = min(int(_PER_EXPERT.search(k).group(1)) for k in mine)
     out = {}
-    for er in range(spec.ep):
-        for key, t in sorted(mine.items()):
-            e = int(_PER_EXPERT.search(key).group(1))
-            peer_e = e - first + er * e_local
-            peer_key = _PER_EXPERT.sub(f".experts.{peer_e}.", key, count=1)
-            buf = t.clone() if er == spec.ep_rank else torch.empty_like(t)
-            src = er * spec.tp
-            dist.broadcast(buf, src=dist.get_global_rank(group, src) if group is not None else src,
-                           group=group, async_op=True).wait(timeout)
-            out[peer_key] = buf
+    for er, own, peer in _expert_keys_by_rank(local, spec, e_local):
+        buf = local[own].clone() if er == spec.ep_rank else torch.empty_like(local[own])
+        src = er * spec.tp
+        dist.broadcast(buf, src=dist.get_global_rank(group, src) if group is not None else src,
+                       group=group, async_op=True).wait(timeout)
+        out[peer] = buf
     return out
