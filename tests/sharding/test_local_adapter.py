@@ -1,7 +1,9 @@
 """An EP / TP rank merges its owned boxes from its own factors only (``LocalAdapter``): every box equals,
 bit for bit, the same box merged by the same rank from the whole adapter (every expert's factors, as
 PEFT saved them), on the first sync (normalised) and after a factor update (refreshed in place, not
-normalised again). The whole-adapter merge itself is checked against PEFT in tests/merge."""
+normalised again). The whole-adapter merge itself is checked against PEFT in tests/merge. (Same boxes
+on purpose: a TP sub-box of an fp32 base can differ from the whole-tensor merge by 1 ulp, as the GEMM
+takes another kernel path for other widths.)"""
 
 from __future__ import annotations
 
