@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from sync_service.merge.adapter import adapter_from_state_dict
+from sync_service.merge.errors import MergeError
 from sync_service.merge.source import MergeConfig, MergedSource
 from sync_service.sharding.base import ShardedBase
 from sync_service.sharding.factors import FactorGather, local_factors
@@ -180,7 +181,23 @@ class TrainerState:
         full.update(_peer_expert_keys(full, self.spec, self.num_experts))
         adapter = adapter_from_state_dict(self.peft_config, full, self.base.layout, self.base.metas(),
                                           tied_aliases=self.base.tied_aliases)
+        _check_dora_rows(adapter, self.base, self.spec)
         return adapter.changed_names()
+
+
+def _check_dora_rows(adapter, base: ShardedBase, spec: ShardSpec) -> None:
+    """DoRA scales each output row by m / ‖W + ΔW‖ over the whole row, so a rank must hold whole rows
+    of every DoRA tensor it produces (not so for row-parallel TP splits such as o_proj / down_proj).
+
+    Raises:
+        MergeError: a DoRA tensor split by columns on this rank, naming it and the fix.
+    """
+    for m in base.owned():
+        if m.name in adapter.dora_magnitudes and m.box is not None and m.box[-1] != (0, m.shape[-1]):
+            raise MergeError(
+                f"adapter_config use_dora=true: {m.name} is split by columns on trainer rank {spec.rank} "
+                f"(box {m.box}, tp={spec.tp}); DoRA needs the norm of whole rows — sync DoRA adapters with tp=1 "
+                f"(EP and FSDP keep whole rows) or merge them with PEFT's merge_and_unload")
 
 
 def _check_expert_ownership(base: ShardedBase, spec: ShardSpec, num_experts: int) -> None:
