@@ -4,8 +4,8 @@ An EP rank produces only the boxes of its own expert block ``[off, off + E_local
 replicated tensors), and exactly its own factors feed them: PEFT's packing restricted to a block is
 the same packing with ``E_local`` experts (A rows ``e·r + k``, B columns ``k·E_local + e``; see
 ``sharding/factors.py``). So the rank normalises its local factors against its base metas with
-fused expert tensors shrunk to ``E_local`` (legacy per-expert keys renumbered to the block) and
-shifts each expert term by ``off``. No collective, no full-size factor anywhere, and nothing is
+fused expert tensors shrunk to ``E_local`` and shifts each expert term by ``off`` (legacy per-expert
+keys are already in global expert ids and need neither). No collective, no full-size factor anywhere, and nothing is
 normalised twice: ``LocalAdapter.update`` copies a snapshot's values into the buffers the adapter
 views and re-derives its copies (``LoraAdapter.refresh``).
 """
@@ -22,13 +22,13 @@ from sync_service.merge.adapter import LoraAdapter, adapter_from_state_dict
 from sync_service.merge.errors import MergeError
 from sync_service.merge.finite import all_finite
 from sync_service.sharding.base import ShardedBase
+from sync_service.sharding.factors import factor_kind
 from sync_service.sharding.rules import ShardSpec
 
 __all__ = ["LocalAdapter", "FUSED_EXPERTS"]
 
 FUSED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
 """Fused expert tensors [E, ...] (hf-fused naming), EP-sharded along dim 0."""
-_PER_EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
 class LocalAdapter:
@@ -72,20 +72,44 @@ class LocalAdapter:
 
     def normalise(self, factors: Mapping[str, torch.Tensor], base: ShardedBase) -> LoraAdapter:
         """Normalise ``factors`` (views kept) against ``base`` restricted to this rank's expert block;
-        expert terms in global expert ids."""
+        expert terms in global expert ids.
+
+        Fused expert factors (``target_parameters``) are normalised against the fused tensors shrunk
+        to E_local and shifted by the block offset; a modules_to_save copy of a fused expert tensor is
+        cut to the block. Legacy per-expert keys keep their global names (so rank_pattern /
+        alpha_pattern keyed on expert ids match as in PEFT) and the metas stay global.
+
+        Raises:
+            MergeError: as ``adapter_from_state_dict``; an adapter mixing fused and per-expert expert
+                factors under ep > 1.
+        """
         ep, e = self.spec.ep, self.num_experts
-        if ep == 1 or e == 0:
+        kinds = {factor_kind(k) for k in factors}
+        if ep == 1 or e == 0 or "expert" in kinds:
+            if ep > 1 and kinds & {"rows", "rank_major"}:
+                raise MergeError("the adapter has both fused (target_parameters) and per-expert expert factors; "
+                                 "sync it with ep=1 or re-save it with one expert layout")
             return adapter_from_state_dict(self.peft_config, factors, base.layout, base.metas(),
                                            tied_aliases=base.tied_aliases)
         e_local = e // ep
         off = self.spec.ep_rank * e_local
         metas = [dataclasses.replace(m, shape=(e_local, *m.shape[1:])) if FUSED_EXPERTS.search(m.name) else m
                  for m in base.metas()]
-        renamed = {_PER_EXPERT.sub(lambda mt: f".experts.{int(mt.group(1)) - off}.", k, count=1): t
-                   for k, t in factors.items()}
-        adapter = adapter_from_state_dict(self.peft_config, renamed, base.layout, metas, tied_aliases=base.tied_aliases)
+        local = {k: _block_of_copy(k, t, e, off, e_local) for k, t in factors.items()}
+        adapter = adapter_from_state_dict(self.peft_config, local, base.layout, metas, tied_aliases=base.tied_aliases)
+        whole = {id(local[k]): t for k, t in factors.items() if local[k] is not t}
+        for name, copy in adapter.replacements.items():  # the merge indexes replacements by global box
+            adapter.replacements[name] = whole.get(id(copy), copy)
         for terms in adapter.terms.values():
             for term in terms:
                 if term.experts is not None:
                     term.experts = (term.experts[0] + off, term.experts[1] + off)
         return adapter
+
+
+def _block_of_copy(key: str, t: torch.Tensor, num_experts: int, off: int, e_local: int) -> torch.Tensor:
+    """A modules_to_save copy of a fused expert tensor [E, ...] → this rank's block (a view, for the
+    shape check against the shrunk metas); else ``t``."""
+    if ".lora_" not in key and FUSED_EXPERTS.search(key) and t.dim() >= 1 and t.shape[0] == num_experts:
+        return t[off:off + e_local]
+    return t

@@ -25,13 +25,19 @@ E = 4
 
 
 OPTIONS = {"plain": {}, "dora+modules_to_save": {"use_dora": True, "modules_to_save": ["lm_head"]},
-           "patterns+rslora": {"use_rslora": True, "rank_pattern": {"down_proj": 3}, "alpha_pattern": {"q_proj": 5}}}
+           "patterns+rslora": {"use_rslora": True, "rank_pattern": {"down_proj": 3}, "alpha_pattern": {"q_proj": 5}},
+           # a pattern naming an expert of the second EP block: must match under its global id
+           "expert_alpha_pattern": {"alpha_pattern": {"experts.3.gate_proj": 40}},
+           # modules_to_save copies of the fused expert tensors: each rank takes its block
+           "experts_modules_to_save": {"target_modules": ["q_proj"], "modules_to_save": ["experts"]}}
 
 
 @pytest.fixture(scope="module", params=[("qwen3_moe", "target_parameters", "plain"), ("qwen3_moe", "legacy", "plain"),
                                         ("mixtral", "legacy", "plain"), ("gpt_oss", "target_parameters", "plain"),
                                         ("qwen3_moe", "dense", "dora+modules_to_save"),
-                                        ("qwen3_moe", "target_parameters", "patterns+rslora")])
+                                        ("qwen3_moe", "target_parameters", "patterns+rslora"),
+                                        ("qwen3_moe", "legacy", "expert_alpha_pattern"),
+                                        ("qwen3_moe", "dense", "experts_modules_to_save")])
 def checkpoint(request, tmp_path_factory):
     family, kind, options = request.param
     root = tmp_path_factory.mktemp(f"{family}-{kind}-{options}")
