@@ -23,7 +23,6 @@ from protocols.params import ParamMeta
 from sync_service.merge.errors import MergeError
 from sync_service.merge.inputs import check_adapter_config, read_json_object, read_safetensors
 from sync_service.merge.layouts import FamilyLayout
-from sync_service.merge.tile_plans import TilePlans
 
 Sel = tuple[int, int, int]
 """``(start, stop, step)`` of a row or column selection, as ``range`` takes them."""
@@ -70,16 +69,12 @@ class LoraAdapter:
             cast copies of a view ``source`` of the state dict normalised (everything else is a view
             of it). ``refresh()`` re-derives them, so a trainer that writes new values into the same
             state-dict tensors gets an up-to-date adapter without normalising again.
-        tile_plans: the merge's per-box tile plans (``MergedSource``), kept with the terms they
-            index (a box's plan is the same every sync; only the values behind the views change);
-            bounded (``TilePlans.max_tiles``).
     """
 
     terms: dict[str, list[LoraTerm]] = field(default_factory=dict)
     dora_magnitudes: dict[str, torch.Tensor] = field(default_factory=dict)
     replacements: dict[str, torch.Tensor] = field(default_factory=dict)
     derived: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    tile_plans: TilePlans = field(default_factory=TilePlans, repr=False, compare=False)
 
     def refresh(self) -> None:
         """Re-derive every copy from its state-dict source (after the sources changed in place).

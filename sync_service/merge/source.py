@@ -132,8 +132,9 @@ class MergedSource:
     def _fill_terms(self, name: str, box: Box, out: torch.Tensor, terms) -> None:
         """Per tile: base → fp32 scratch → + its term parts → one cast into ``out``; a tile no term
         touches is cast straight from the base (same values, no fp32 round trip)."""
-        for sub, rel, parts in self._tiles(name, box, terms):
-            view = out[rel]
+        for sub in self._chunks(name, box):
+            parts = term_parts(terms, sub)
+            view = out[_rel(sub, box)]
             base = self._read_base(name, sub)
             if not parts:
                 view.copy_(base)
@@ -161,13 +162,6 @@ class MergedSource:
             scratch.mul_(factor[sub[0][0] - r0: sub[0][1] - r0].to(scratch.device, scratch.dtype).unsqueeze(1))
             self._check(name, scratch)
             out[_rel(sub, box)].copy_(scratch)
-
-    def _tiles(self, name: str, box: Box, terms) -> list[tuple[Box, tuple[slice, ...], list]]:
-        """``(tile, its index into box, term parts)`` per tile of ``box``; cached on the adapter, whose
-        term tensors keep their storage across syncs (``LoraAdapter.refresh`` writes in place)."""
-        key = (name, box, self.config.tile_bytes, self.config.staging_bytes)
-        return self.adapter.tile_plans.get(
-            key, lambda: [(sub, _rel(sub, box), term_parts(terms, sub)) for sub in self._chunks(name, box)])
 
     def _chunks(self, name: str, box: Box):
         itemsize = 8 if self._base_metas[name].dtype == "float64" else 4
