@@ -4,10 +4,10 @@ An EP rank produces only the boxes of its own expert block ``[off, off + E_local
 replicated tensors), and exactly its own factors feed them: PEFT's packing restricted to a block is
 the same packing with ``E_local`` experts (A rows ``e·r + k``, B columns ``k·E_local + e``; see
 ``sharding/factors.py``). So the rank normalises its local factors against its base metas with
-fused expert tensors shrunk to ``E_local`` and shifts each expert term by ``off`` (legacy per-expert
-keys are already in global expert ids and need neither). No collective, no full-size factor anywhere, and nothing is
-normalised twice: ``LocalAdapter.update`` copies a snapshot's values into the buffers the adapter
-views and re-derives its copies (``LoraAdapter.refresh``).
+fused expert tensors shrunk to ``E_local`` and shifts each expert term by ``off`` (legacy
+per-expert keys are already in global expert ids and need neither). No collective, no full-size
+factor anywhere, and nothing is normalised twice: ``LocalAdapter.update`` copies a snapshot's values
+into the buffers the adapter views and re-derives its copies (``LoraAdapter.refresh``).
 """
 
 from __future__ import annotations
@@ -65,10 +65,10 @@ class LocalAdapter:
                 self._buffers[k].copy_(t)
             self._adapter.refresh()
             return self._adapter
-        self._buffers = {k: t.clone() for k, t in factors.items()}
-        self._adapter = self.normalise(self._buffers, base)
-        self._key = key
-        return self._adapter
+        buffers = {k: t.clone() for k, t in factors.items()}
+        adapter = self.normalise(buffers, base)  # kept only once it normalised
+        self._buffers, self._adapter, self._key = buffers, adapter, key
+        return adapter
 
     def normalise(self, factors: Mapping[str, torch.Tensor], base: ShardedBase) -> LoraAdapter:
         """Normalise ``factors`` (views kept) against ``base`` restricted to this rank's expert block;
