@@ -104,8 +104,8 @@ class FactorGather:
     in one collective (per dtype), then copied into the full factors; legacy per-expert factors are
     broadcast from their owners; replicated factors are copied. Buffers are allocated on the first
     call and whenever the key structure (keys, shapes, dtypes) changes. (A trainer merging its own
-    expert block needs none of this: ``local_adapter.py``. This is for a rank that must hold the
-    whole adapter, e.g. to save it.)
+    expert block needs none of this: ``local_adapter.py``. Factor streaming uses it: its recipes
+    index the whole adapter.)
 
     Collective (``ep > 1``): every rank of ``group`` calls ``gather`` with the same key structure.
     """
