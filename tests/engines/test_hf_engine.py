@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -114,14 +115,17 @@ def test_generation_racing_commits_sees_one_version():
 
     thread = threading.Thread(target=generate_loop)
     thread.start()
-    try:
-        for i in range(6):
+    try:  # at least 6 commits, and on until 3 generations ran alongside them (bounded: no hang)
+        deadline, i = time.monotonic() + 120, 0
+        while i < 6 or (len(results) < 3 and time.monotonic() < deadline):
             v = 1 + (i % 2 == 0)
             push_all(engine, v, weights[v])
+            i += 1
     finally:
         stop.set()
         thread.join(timeout=60)
     assert not thread.is_alive()
-    assert len(results) >= 2
+    assert len(results) >= 3
+    assert {r.weight_version for r in results} <= {1, 2}
     for r in results:
         assert r.tokens == expected[r.weight_version], r
