@@ -67,18 +67,22 @@ class SampleResult:
 
 
 def load_causal_lm(path: str | Path, *, dtype: torch.dtype | None = None) -> torch.nn.Module:
-    """Load a transformers causal LM from a local directory onto CPU, in eval mode.
+    """Load a transformers causal LM from a local directory of safetensors weights onto CPU, in
+    inference mode (``train(False)``). Pickled weights (``pytorch_model.bin``) are never loaded.
 
     Raises:
-        FileNotFoundError: ``path`` does not exist.
+        FileNotFoundError: ``path`` does not exist, or holds no ``*.safetensors`` weights.
     """
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {str(path)!r} does not exist; pass a saved checkpoint dir")
+    if not any(path.glob("*.safetensors")):
+        raise FileNotFoundError(f"model directory {str(path)!r} has no *.safetensors weights (pickled .bin weights "
+                                f"are never loaded); re-save it with save_pretrained(..., safe_serialization=True)")
     kwargs = {} if dtype is None else {"dtype": dtype}
-    return AutoModelForCausalLM.from_pretrained(str(path), **kwargs).eval()
+    return AutoModelForCausalLM.from_pretrained(str(path), use_safetensors=True, **kwargs).train(False)
 
 
 class _Staged:
@@ -100,7 +104,7 @@ class HFEngine:
     """
 
     def __init__(self, model: torch.nn.Module, *, config: HFEngineConfig | None = None) -> None:
-        self._model = model.eval()
+        self._model = model.train(False)  # inference mode (dropout off)
         self._config = config or HFEngineConfig()
         self._params: dict[str, torch.nn.Parameter] = dict(model.named_parameters())
         self._metas = tuple(

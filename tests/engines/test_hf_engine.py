@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
 from protocols.params import full_box
-from sync_service.engines.hf import HFEngine
+from sync_service.engines.hf import HFEngine, load_causal_lm
 
 PROMPT = [3, 14, 15, 9, 2, 6]
 
@@ -129,3 +129,16 @@ def test_generation_racing_commits_sees_one_version():
     assert {r.weight_version for r in results} <= {1, 2}
     for r in results:
         assert r.tokens == expected[r.weight_version], r
+
+
+def test_load_reads_safetensors_and_never_a_pickled_checkpoint(tmp_path):
+    model = tiny_model(5)
+    model.save_pretrained(tmp_path / "safe", safe_serialization=True)
+    loaded = load_causal_lm(tmp_path / "safe")
+    assert not loaded.training
+    want = model.state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in loaded.state_dict().items())
+    model.config.save_pretrained(tmp_path / "pickled")  # the pre-safetensors layout, written here on purpose
+    torch.save(model.state_dict(), tmp_path / "pickled" / "pytorch_model.bin")
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors weights \(pickled \.bin weights are never loaded\)"):
+        load_causal_lm(tmp_path / "pickled")
