@@ -277,15 +277,20 @@ def check_run_arguments(args: argparse.Namespace) -> None:
 
 def execute(cfg: RunConfig, extra: dict) -> int:
     quiet_libraries()
+    return run_and_report(cfg, run_local, extra, engines=f"{cfg.engines} engine(s)")
+
+
+def run_and_report(cfg: RunConfig, run, extra: dict, *, engines: str, json_extra: dict | None = None) -> int:
+    """Run ``run(cfg)``, print the table and the verdict, write ``cfg.json_path``; 0 iff every version verified."""
     print_header()
     t0 = time.perf_counter()
-    rows = run_local(cfg)
+    rows = run(cfg)
     total = time.perf_counter() - t0
     ok = len(rows) == cfg.versions and all(r.verified for r in rows)
-    print(f"{'all versions verified' if ok else 'VERIFICATION FAILED'} on {cfg.engines} engine(s) in {total:.1f} s")
+    print(f"{'all versions verified' if ok else 'VERIFICATION FAILED'} on {engines} in {total:.1f} s")
     if cfg.json_path is not None:
-        write_json(cfg.json_path, rows, {**extra, "ok": ok, "total_seconds": total, "ep": cfg.ep, "tp": cfg.tp,
-                                         "transport": cfg.transport})
+        write_json(cfg.json_path, rows, {**extra, **(json_extra or {}), "ok": ok, "total_seconds": total,
+                                         "ep": cfg.ep, "tp": cfg.tp, "transport": cfg.transport})
     return 0 if ok else 1
 
 

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
-from sync_service.sync_cli import MAX_NEW_TOKENS, PROMPTS, RunConfig, VersionRow, _say, print_header, print_row, write_json
+from sync_service.sync_cli import MAX_NEW_TOKENS, PROMPTS, RunConfig, VersionRow, _say, print_row, run_and_report
 
 __all__ = ["ACTOR_ENV", "execute_vllm", "merged_versions"]
 
@@ -85,13 +84,4 @@ def run_vllm(cfg: RunConfig) -> list[VersionRow]:
 
 def execute_vllm(cfg: RunConfig, extra: dict) -> int:
     """Run, print the table, write ``cfg.json_path`` like ``sync_cli.execute``; 0 iff every version verified."""
-    print_header()
-    t0 = time.perf_counter()
-    rows = run_vllm(cfg)
-    total = time.perf_counter() - t0
-    ok = len(rows) == cfg.versions and all(r.verified for r in rows)
-    print(f"{'all versions verified' if ok else 'VERIFICATION FAILED'} on 1 vLLM engine in {total:.1f} s")
-    if cfg.json_path is not None:
-        write_json(cfg.json_path, rows, {**extra, "engine": "vllm", "ok": ok, "total_seconds": total, "ep": cfg.ep,
-                                         "tp": cfg.tp, "transport": cfg.transport})
-    return 0 if ok else 1
+    return run_and_report(cfg, run_vllm, extra, engines="1 vLLM engine", json_extra={"engine": "vllm"})
