@@ -62,12 +62,8 @@ _CORRUPT = {
 @pytest.mark.parametrize("which", ["adapter", "base"])
 @pytest.mark.parametrize("how", sorted(_CORRUPT))
 def test_corrupt_safetensors(good, tmp_path, capsys, which, how):
-    base, adapter = good
-    d = _copy(base if which == "base" else adapter, tmp_path / which)
-    path = d / ("model.safetensors" if which == "base" else "adapter_model.safetensors")
-    path.write_bytes(_CORRUPT[how](path.read_bytes()))
-    args = (d, adapter) if which == "base" else (base, d)
-    _merge_fails(capsys, *args, tmp_path / "out", str(path), "not a valid safetensors file")
+    _break_file_and_merge(good, tmp_path, capsys, which, ("model.safetensors", "adapter_model.safetensors"),
+                          _CORRUPT[how], "not a valid safetensors file")
 
 
 _BAD_JSON = {"not_json": b"{not json", "list": b"[1, 2]", "not_utf8": b"\xff\xfe\x00garbage"}
@@ -76,12 +72,18 @@ _BAD_JSON = {"not_json": b"{not json", "list": b"[1, 2]", "not_utf8": b"\xff\xfe
 @pytest.mark.parametrize("which", ["adapter", "base"])
 @pytest.mark.parametrize("how", sorted(_BAD_JSON))
 def test_bad_json(good, tmp_path, capsys, which, how):
+    _break_file_and_merge(good, tmp_path, capsys, which, ("config.json", "adapter_config.json"), lambda _: _BAD_JSON[how])
+
+
+def _break_file_and_merge(good, tmp_path, capsys, which: str, names: tuple[str, str], rewrite, *expect: str) -> None:
+    """Copy the base or adapter dir, rewrite its file ``names[which == "adapter"]``, and check the merge
+    fails naming that file (and ``expect``)."""
     base, adapter = good
     d = _copy(base if which == "base" else adapter, tmp_path / which)
-    path = d / ("config.json" if which == "base" else "adapter_config.json")
-    path.write_bytes(_BAD_JSON[how])
+    path = d / names[which == "adapter"]
+    path.write_bytes(rewrite(path.read_bytes()))
     args = (d, adapter) if which == "base" else (base, d)
-    _merge_fails(capsys, *args, tmp_path / "out", str(path))
+    _merge_fails(capsys, *args, tmp_path / "out", str(path), *expect)
 
 
 _BAD_FIELDS = [
