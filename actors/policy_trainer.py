@@ -50,7 +50,7 @@ class PolicyTrainerCore(TrainerShardCore):
         return h.hexdigest()
 
     def _keep_local_slice(self) -> None:
-        from sync_service.sharding.factors import local_factors
+        from sync_service.sharding.ep_factors import local_factors
 
         state = self._state()
         state.set_factors(local_factors(self._learner.factors(), self.spec, num_experts=state.num_experts))

@@ -12,7 +12,8 @@ import ray
 import torch
 
 from actors.trainer import meta_to_list
-from protocols.wire import SyncPlan, decode
+from protocols.wire import SyncPlan
+from protocols.wire_check import decode
 
 # engine kind -> factory(model_dir) of an EngineAdapter
 ENGINES = {
@@ -60,7 +61,7 @@ class RolloutEngine:
         self.engine = ENGINES[engine](model_dir)
         self._receiver = None
         self._transport = None
-        self._factor_engine = None  # sync_service.factors.FactorEngine over self.engine, for factor plans
+        self._factor_engine = None  # sync_service.factor_stream.FactorEngine over self.engine, for factor plans
 
     def engine_name(self) -> str:
         return self.name
@@ -91,7 +92,7 @@ class RolloutEngine:
         if not any(e.recipe is not None for e in plan.entries):
             self._factor_engine = None
             return self.engine
-        from sync_service.factors.receiver import FactorEngine
+        from sync_service.factor_stream.receiver import FactorEngine
 
         if self._factor_engine is None or self._factor_engine.plan != plan:
             self._factor_engine = FactorEngine(self.engine, plan)

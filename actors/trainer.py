@@ -18,11 +18,12 @@ import ray
 import torch
 
 from protocols.params import ParamMeta
-from protocols.wire import SyncPlan, decode
+from protocols.wire import SyncPlan
+from protocols.wire_check import decode
+from sync_service.sharding.ep_factors import local_factors
 from sync_service.sharding.rules import ShardSpec
 from sync_service.sharding.trainer_state import TrainerState
 from sync_service.sharding.training import step_delta
-from sync_service.sharding.factors import local_factors
 
 
 def meta_to_list(m: ParamMeta) -> list:
@@ -67,7 +68,7 @@ class TrainerShardCore:
         self.state: TrainerState | None = None
         self._sender = None
         self._plan: SyncPlan | None = None
-        self._factors = None  # sync_service.factors.trainer.FactorTrainer, in factor modes
+        self._factors = None  # sync_service.factor_stream.trainer.FactorTrainer, in factor modes
         self._full_shapes: dict[str, tuple[int, ...]] = {}
         self._send_lock = threading.Lock()  # one send at a time: sends share the bucket pool and the adapter
 
@@ -206,7 +207,7 @@ class TrainerShardCore:
     def drop_snapshot(self, version: int) -> None:
         self._state().drop_snapshot(version)
 
-    # -- factor streaming (sync_service/factors; SyncConfig.mode "factors" | "auto") ------------
+    # -- factor streaming (sync_service/factor_stream; SyncConfig.mode "factors" | "auto") ------------
     def factor_costs(self) -> list[list]:
         """Per changed tensor ``[name, merged_bytes, factor_bytes, pristine_bytes, why_not]``."""
         return self._factor_state().costs(self._state())
@@ -228,7 +229,7 @@ class TrainerShardCore:
 
     def _factor_state(self):
         if self._factors is None:
-            from sync_service.factors.trainer import FactorTrainer
+            from sync_service.factor_stream.trainer import FactorTrainer
 
             self._factors = FactorTrainer()
         return self._factors

@@ -149,7 +149,7 @@ def run_fill(experts: int, intermediate: int, hidden: int, rank: int, repeats: i
     import torch
 
     from protocols.params import full_box
-    from sync_service.merge.adapter import LoraAdapter, LoraTerm
+    from sync_service.merge.terms import LoraAdapter, LoraTerm
     from sync_service.merge.base import TensorDictBase
     from sync_service.merge.source import MergeConfig, MergedSource
 

@@ -21,7 +21,7 @@ MEDIUM = {"num_experts": 8, "hidden": 256, "intermediate": 128, "num_layers": 4,
 
 
 def files(cache_dir: Path, medium: bool, work: Path) -> tuple[Path, Path]:
-    from sync_service.demo import ensure_files
+    from sync_service.synthetic.demo_files import ensure_files
     from sync_service.synthetic import make_adapter, make_base
 
     if not medium:

@@ -30,6 +30,10 @@ DTYPE_BYTES: dict[str, int] = {
     "int64": 8,
     "bool": 1,
 }
+FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
+"""Wire names of the floating-point dtypes."""
+MERGE_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16"})
+"""Wire names a merged tensor or a LoRA factor may have (the dtypes a merge writes)."""
 
 
 def full_box(shape: tuple[int, ...]) -> Box:

@@ -2,7 +2,7 @@
 
 In factor streaming the trainer ships the low-rank factors of a term instead of the merged tensor,
 and the rollout engine computes ``W = W0 + s · x @ y`` itself over a resident pristine copy of W0
-(``sync_service/factors``). A recipe entry's bytes are the factors of one expert block of one term:
+(``sync_service/factor_stream``). A recipe entry's bytes are the factors of one expert block of one term:
 
     entry.offset + x_at : x, ``x_shape`` row-major, entry dtype   (x_t: the bytes are xᵀ of the last two dims)
     entry.offset + y_at : y, ``y_shape`` row-major, entry dtype   (y_t likewise)

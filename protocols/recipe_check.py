@@ -8,12 +8,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from protocols.params import DTYPE_BYTES, Box
+from protocols.params import DTYPE_BYTES, MERGE_DTYPES, Box
 from protocols.recipe import Recipe, recipe_name, sel_len
 from protocols.wire import I63_MAX, MAX_NAME_CHARS, ProtocolError
 
-FLOAT_DTYPES = frozenset({"float32", "float64", "float16", "bfloat16"})
-"""Dtypes a merged target or a factor may have."""
 MAX_TERMS = 1 << 16
 MAX_RANK = 1 << 16
 RECIPE_ITEMS = 14
@@ -42,8 +40,8 @@ def _bool(v: Any, field: str) -> bool:
 
 
 def _float_dtype(v: Any, field: str) -> str:
-    if type(v) is not str or v not in FLOAT_DTYPES:
-        raise ProtocolError(field, f"{v!r} is not a floating dtype; use one of {sorted(FLOAT_DTYPES)}")
+    if type(v) is not str or v not in MERGE_DTYPES:
+        raise ProtocolError(field, f"{v!r} is not a floating dtype; use one of {sorted(MERGE_DTYPES)}")
     return v
 
 

@@ -11,7 +11,7 @@ A ``SyncPlan`` (built once, reused every sync; shipped to every process out of b
 A ``BucketHeader`` repeats the entries of its bucket; the receiver checks every one against the
 plan before a byte is applied.
 
-Encoding: ``msgpack([SCHEMA_VERSION, tag, *fields])``. ``decode`` validates every field (type,
+Encoding: ``msgpack([SCHEMA_VERSION, tag, *fields])``. ``protocols.wire_check.decode`` validates every field (type,
 bounds, sizes, cross-field consistency) and raises ``ProtocolError`` naming the field; it never
 raises anything else, whatever the input (fuzzed in tests/streaming/test_wire_fuzz.py).
 
@@ -22,7 +22,6 @@ canonical msgpack encoding of the header without its mac (that encoding includes
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import hmac
 import math
@@ -271,38 +270,6 @@ def plan_digest(plan: SyncPlan) -> int:
 
     body = msgpack.packb([plan.bucket_bytes, [_entry_list(e) for e in plan.entries]], use_bin_type=True)
     return xxhash.xxh3_64_intdigest(body)
-
-
-# ----------------------------------------------------------------------------- decoding
-
-def decode(data: bytes | bytearray | memoryview, *, max_bytes: int = MAX_HEADER_BYTES) -> Message:
-    """Decode and validate one message.
-
-    Raises:
-        ProtocolError: anything malformed; ``field`` names the first bad field.
-    """
-    from protocols.wire_check import check_message
-
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise ProtocolError("message", f"expected bytes, got {type(data).__name__}")
-    if len(data) > max_bytes:
-        raise ProtocolError("message", f"{len(data)} bytes exceeds the header limit {max_bytes}")
-    # the cyclic GC would run over and over while msgpack and the checks build up to millions of small lists
-    # (10× slower on a large plan); nothing decoded here can form a cycle
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        try:
-            raw: Any = msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=True)
-        except Exception as exc:  # msgpack raises several types (ExtraData, FormatError, ValueError, ...)
-            raise ProtocolError("message", f"not valid msgpack: {type(exc).__name__}: {str(exc)[:200]}") from None
-        try:
-            return check_message(raw)
-        except RecursionError:
-            raise ProtocolError("message", "nested too deeply") from None
-    finally:
-        if gc_was_enabled:
-            gc.enable()
 
 
 def box_nbytes(box: Box, dtype: str) -> int:

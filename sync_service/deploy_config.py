@@ -16,10 +16,12 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sync_service.transports.spec import TRANSPORTS
+
 __all__ = ["ConfigError", "DeployConfig", "load_config", "parse_config"]
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-TRANSPORTS = ("auto", "shm", "ray", "torch")
+TRANSPORT_CHOICES = ("auto", *TRANSPORTS)
 
 
 class ConfigError(ValueError):
@@ -268,8 +270,8 @@ def validate(cfg: DeployConfig) -> None:
             raise ConfigError(path, f"{value} must be >= 0")
     if t.resource == e.resource:
         raise ConfigError("engines.resource", f"{e.resource!r} equals trainers.resource; give each group its own")
-    if s.transport not in TRANSPORTS:
-        raise ConfigError("sync.transport", f"{s.transport!r}; use one of {TRANSPORTS}")
+    if s.transport not in TRANSPORT_CHOICES:
+        raise ConfigError("sync.transport", f"{s.transport!r}; use one of {TRANSPORT_CHOICES}")
     if s.bucket_bytes <= 0 or s.bucket_bytes % 64:
         raise ConfigError("sync.bucket_bytes", f"{s.bucket_bytes} must be a positive multiple of 64")
     if s.timeout_s <= 0:

@@ -12,12 +12,12 @@ Prints one row per version; ``--json`` writes them with the placement (node per 
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import tempfile
 import time
 from pathlib import Path
 
+from sync_service import security
 from sync_service.deploy_config import ConfigError, DeployConfig, SecretConfig, load_config
 from sync_service.sync_cli import VersionRow, print_header, print_row, quiet_libraries, write_json
 
@@ -32,21 +32,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load_secret(cfg: SecretConfig, environ: dict[str, str] | None = None) -> bytes | None:
-    """The session secret from ``cfg.env`` (first) or ``cfg.file``. Raises ConfigError when it is
-    shorter than ``cfg.min_bytes``, or missing while ``cfg.required``."""
-    environ = os.environ if environ is None else environ
-    if environ.get(cfg.env):
-        secret, where = environ[cfg.env].encode(), f"${cfg.env}"
-    elif cfg.file is not None and cfg.file.is_file():
-        secret, where = cfg.file.read_bytes().strip(), str(cfg.file)
-    elif cfg.required:
+    """The session secret from ``cfg.env`` (first) or ``cfg.file`` (``security.load_secret``: a file
+    writable by group/others is refused). Raises ConfigError when it is shorter than ``cfg.min_bytes``,
+    unsafe, or missing while ``cfg.required``."""
+    try:
+        secret = security.load_secret(value_env=cfg.env, file=cfg.file, file_optional=True, environ=environ,
+                                      min_bytes=cfg.min_bytes)
+    except (OSError, TypeError, ValueError) as exc:
+        raise ConfigError("secret", f"{exc} (generate one: openssl rand -hex 32)") from None
+    if secret is None and cfg.required:
         raise ConfigError("secret", f"no session secret in ${cfg.env} or {cfg.file}; mount the Kubernetes Secret "
                           f"{cfg.k8s_name!r} (deploy/README in docs/deploy.md) or set secret.required: false")
-    else:
-        return None
-    if len(secret) < cfg.min_bytes:
-        raise ConfigError("secret", f"{where} holds {len(secret)} bytes; need >= {cfg.min_bytes} "
-                          "(generate one: openssl rand -hex 32)")
     return secret
 
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
 
+from sync_service.transports.spec import TRANSPORTS
+
 PROMPTS = ([1, 5, 9, 13, 17, 21], [2, 3, 5, 7, 11, 13, 17])
 MAX_NEW_TOKENS = 8
 
@@ -212,7 +214,7 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, versions: int) -> N
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
     parser.add_argument("--engines", type=int, default=2, help="rollout engines (default 2)")
     parser.add_argument("--versions", type=int, default=versions, help=f"weight versions to push (default {versions})")
-    parser.add_argument("--transport", choices=("shm", "ray", "torch"), default="shm", help="transport (default shm)")
+    parser.add_argument("--transport", choices=tuple(TRANSPORTS), default="shm", help="transport (default shm)")
     parser.add_argument("--bucket-bytes", type=int, default=1 << 20, help="bucket size in bytes (default 1 MiB)")
     parser.add_argument("--timeout", type=float, default=120.0, help="per-step timeout, seconds (default 120)")
     parser.add_argument("--json", type=Path, default=None, help="write the results as JSON to this path")

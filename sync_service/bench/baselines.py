@@ -29,6 +29,7 @@ from protocols.params import box_shape
 from sync_service.bench.model import BenchModel
 from sync_service.bench.rows import BenchConfig, Row, median_index
 from sync_service.bench.rss import RssSampler, actor_pid
+from sync_service.dtypes import TORCH_DTYPES
 
 __all__ = ["run_disk", "run_gather", "PeftDiskTrainer"]
 
@@ -129,7 +130,7 @@ def _gather_merged(shard, version: int, metas_by_rank: list[list], timeout_s: fl
     for metas in metas_by_rank:
         for m in map(meta_from_list, metas):
             if m.name not in full:
-                full[m.name] = torch.empty(m.shape, dtype=getattr(torch, m.dtype))
+                full[m.name] = torch.empty(m.shape, dtype=TORCH_DTYPES[m.dtype])
     for m in map(meta_from_list, metas_by_rank[0]):
         source.fill(m.name, m.box, full[m.name][tuple(slice(a, b) for a, b in m.box)])
     t2 = time.perf_counter()

@@ -3,7 +3,7 @@
 One local Ray (2 CPUs, own temp dir) for the run; every row starts its own actors and kills them at
 its end (``gc`` in between), so rows never share memory. Order per size: ours (delta, full,
 fan-out), floor (the bytes of our delta sync), full-gather, disk. Then the factor-streaming row
-(``sync_service.factors.factor_streaming_row``, in process).
+(``sync_service.factor_stream.factor_streaming_row``, in process).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def run_floor(nbytes: int, cfg: BenchConfig, size: int, model_bytes: int) -> Row
 
 
 def _factor_streaming(quick: bool) -> dict:
-    from sync_service.factors.bench import factor_streaming_row
+    from sync_service.factor_stream.bench import factor_streaming_row
 
     sizes = {} if quick else dict(num_experts=32, hidden=256, intermediate=128, num_layers=2, r=16)
     row = factor_streaming_row("qwen3_moe", dtype="bfloat16", **sizes)

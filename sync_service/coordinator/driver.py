@@ -31,22 +31,18 @@ from sync_service.coordinator.metrics import EngineResult, SyncError, SyncMetric
 from sync_service.coordinator.planning import build_sync_plan, validate_plan
 from sync_service.coordinator.versions import VersionBoard
 from sync_service.security import new_secret
-from sync_service.transports import TransportSpec
+from sync_service.transports import TRANSPORTS, TransportSpec
 
 def _factor_coordination(config, trainers, get):
     """``FactorCoordination`` for ``SyncConfig.mode`` "factors" / "auto", ``None`` in merged mode."""
     if getattr(config, "mode", "merged") == "merged":
         return None
-    from sync_service.factors.choose import FactorPolicy
-    from sync_service.factors.coordination import FactorCoordination
+    from sync_service.factor_stream.choose import FactorPolicy
+    from sync_service.factor_stream.coordination import FactorCoordination
 
     policy = FactorPolicy(mode=config.mode, factor_memory_bytes=config.factor_memory_bytes,
                           experts_per_recipe=config.experts_per_recipe)
     return FactorCoordination(policy, trainers, get)
-
-
-# SyncConfig.transport -> TransportSpec.kind
-TRANSPORT_KINDS = {"ray": "ray", "torch": "torch_dist", "shm": "shm"}
 
 
 class Coordinator:
@@ -274,7 +270,7 @@ class Coordinator:
 
     def _connect(self) -> None:
         self._epoch += 1
-        spec = TransportSpec(kind=TRANSPORT_KINDS[self.config.transport], name=f"ws{self._channel_id}e{self._epoch}",
+        spec = TransportSpec(kind=TRANSPORTS[self.config.transport].push, name=f"ws{self._channel_id}e{self._epoch}",
                              num_senders=len(self.trainers), num_receivers=len(self.engines),
                              bucket_bytes=self._plan.bucket_bytes, connect_timeout_s=self.config.timeout_s,
                              op_timeout_s=self.config.timeout_s)

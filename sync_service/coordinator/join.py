@@ -22,14 +22,9 @@ from protocols.wire import SyncPlan, encode
 from sync_service.coordinator.metrics import SyncError
 from sync_service.coordinator.planning import validate_plan
 from sync_service.streaming.plan import build_plan
-from sync_service.transports import TransportSpec
+from sync_service.transports import TRANSPORTS, TransportSpec
 
 __all__ = ["JoinMetrics", "peer_plan", "peer_copy"]
-
-# SyncConfig.transport -> transport kind of a peer channel (torch.distributed needs a rendezvous port
-# per channel; the object store reaches any host without one)
-JOIN_KINDS = {"shm": "shm", "ray": "ray", "torch": "ray"}
-
 
 @dataclass(frozen=True, slots=True)
 class JoinMetrics:
@@ -72,7 +67,7 @@ def peer_copy(*, joiner, joiner_name: str, joiner_table: Sequence[ParamMeta], pe
     t0 = time.perf_counter()
     plan = peer_plan(peer_table, bucket_bytes=config.bucket_bytes)
     validate_plan(plan, joiner_table, engine=joiner_name)
-    spec = TransportSpec(kind=JOIN_KINDS[config.transport], name=channel, num_senders=1, num_receivers=1,
+    spec = TransportSpec(kind=TRANSPORTS[config.transport].join, name=channel, num_senders=1, num_receivers=1,
                          bucket_bytes=plan.bucket_bytes, connect_timeout_s=config.timeout_s,
                          op_timeout_s=config.timeout_s)
     raw, plan_bytes, timeout = spec.to_bytes(), encode(plan), config.timeout_s

@@ -35,7 +35,7 @@ class SyncMetrics:
     ``seconds`` is the wall time of the transfer (after the snapshot), ``bytes`` the payload bytes
     sent by all trainers (each frame reaches every engine), ``gb_per_s`` = bytes / seconds / 1e9.
     ``mode`` is ``SyncConfig.mode``; ``factor_tensors`` the tensors streamed as LoRA factors and
-    merged by the engines (``sync_service/factors``), empty in merged mode.
+    merged by the engines (``sync_service/factor_stream``), empty in merged mode.
     """
 
     version: int

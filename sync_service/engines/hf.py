@@ -23,13 +23,9 @@ from pathlib import Path
 import torch
 
 from protocols.params import Box, ParamMeta, box_numel, box_shape
+from sync_service.dtypes import wire_dtype
 
-__all__ = ["GenerateResult", "HFEngine", "HFEngineConfig", "SampleResult", "dtype_name", "load_causal_lm"]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """Wire dtype name (a ``protocols.params.DTYPE_BYTES`` key) of a torch dtype."""
-    return str(dtype).removeprefix("torch.")
+__all__ = ["GenerateResult", "HFEngine", "HFEngineConfig", "SampleResult", "load_causal_lm"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -108,7 +104,7 @@ class HFEngine:
         self._config = config or HFEngineConfig()
         self._params: dict[str, torch.nn.Parameter] = dict(model.named_parameters())
         self._metas = tuple(
-            ParamMeta(name=n, dtype=dtype_name(p.dtype), shape=tuple(p.shape)) for n, p in self._params.items()
+            ParamMeta(name=n, dtype=wire_dtype(p.dtype), shape=tuple(p.shape)) for n, p in self._params.items()
         )
         self._lock = threading.Lock()
         self._version: int | None = None

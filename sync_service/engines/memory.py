@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from protocols.params import Box, ParamMeta, box_shape, full_box
-from sync_service.streaming.views import TORCH_DTYPES, WIRE_DTYPES
+from sync_service.dtypes import TORCH_DTYPES, WIRE_DTYPES
 
 
 class MemoryEngine:

@@ -1,9 +1,6 @@
-"""A PEFT LoRA adapter normalised to low-rank terms in hf-fused coordinates.
+"""Reading a PEFT LoRA adapter into low-rank terms in hf-fused coordinates (``terms.py``).
 
-Legend: E experts, r rank, s scaling. A term says: on the stored tensor ``name`` (hf-fused naming,
-stored orientation), for experts ``[e0, e1)`` (or the whole 2D tensor), add
-``s · x[e] @ y[e]`` to the rows ``range(*rows)`` and columns ``range(*cols)``. Every adapter format
-(dense PEFT LoRA, ``target_parameters`` on 3D experts, legacy per-expert LoRA, embeddings) reduces
+Every adapter format (dense PEFT LoRA, ``target_parameters`` on 3D experts, legacy per-expert LoRA, embeddings) reduces
 to these terms, so the merge kernel (``source.py``) knows nothing of PEFT.
 
 Sources: LoRA ΔW = (α/r)·B@A (Hu et al. 2021, arXiv:2106.09685); rsLoRA s = α/√r (Kalajdzievski
@@ -14,85 +11,16 @@ Sources: LoRA ΔW = (α/r)·B@A (Hu et al. 2021, arXiv:2106.09685); rsLoRA s = �
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from protocols.params import ParamMeta
+from sync_service.merge.adapter_keys import normalise
 from sync_service.merge.errors import MergeError
 from sync_service.merge.inputs import check_adapter_config, read_json_object, read_safetensors
 from sync_service.merge.layouts import FamilyLayout
-
-Sel = tuple[int, int, int]
-"""``(start, stop, step)`` of a row or column selection, as ``range`` takes them."""
-
-
-def sel_len(sel: Sel) -> int:
-    return len(range(*sel))
-
-
-@dataclass(slots=True)
-class LoraTerm:
-    """One low-rank update ``s · x @ y`` of a stored tensor.
-
-    Attributes:
-        experts: ``(e0, e1)`` expert range of a 3D tensor (dim 0), ``None`` for a 2D tensor.
-        rows: selection on the stored tensor's second-to-last dim.
-        cols: selection on the stored tensor's last dim.
-        x: fp32 [n_e, n_rows, r] (3D target) or [n_rows, r] (2D).
-        y: fp32 [n_e, r, n_cols] or [r, n_cols].
-        scaling: s (α/r, α/√r with rsLoRA, rank_pattern / alpha_pattern applied).
-    """
-
-    experts: tuple[int, int] | None
-    rows: Sel
-    cols: Sel
-    x: torch.Tensor
-    y: torch.Tensor
-    scaling: float
-
-    def clone(self) -> LoraTerm:
-        return LoraTerm(self.experts, self.rows, self.cols, self.x.clone(), self.y.clone(), self.scaling)
-
-
-@dataclass(slots=True)
-class LoraAdapter:
-    """A normalised adapter over hf-fused base names.
-
-    Attributes:
-        terms: base name → low-rank terms to add.
-        dora_magnitudes: base name → DoRA magnitude m [out] (fp32): the merged tensor is
-            ``m / ‖W + ΔW‖_row · (W + ΔW)`` (2D dense tensors only).
-        replacements: base name → trained copy (modules_to_save); replaces the base tensor.
-        derived: ``(copy, source)`` pairs, in creation order: tensors above that are re-laid-out or
-            cast copies of a view ``source`` of the state dict normalised (everything else is a view
-            of it). ``refresh()`` re-derives them, so a trainer that writes new values into the same
-            state-dict tensors gets an up-to-date adapter without normalising again.
-    """
-
-    terms: dict[str, list[LoraTerm]] = field(default_factory=dict)
-    dora_magnitudes: dict[str, torch.Tensor] = field(default_factory=dict)
-    replacements: dict[str, torch.Tensor] = field(default_factory=dict)
-    derived: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-
-    def refresh(self) -> None:
-        """Re-derive every copy from its state-dict source (after the sources changed in place).
-        Costs one pass over the copied factor bytes; allocates nothing."""
-        for copy, source in self.derived:
-            copy.copy_(source)
-
-    def changed_names(self) -> frozenset[str]:
-        """Base names whose merged values differ from the base."""
-        return frozenset(self.terms) | frozenset(self.dora_magnitudes) | frozenset(self.replacements)
-
-    def snapshot(self) -> LoraAdapter:
-        """A deep copy of every tensor held, so the trainer may keep updating its factors."""
-        return LoraAdapter(
-            terms={n: [t.clone() for t in ts] for n, ts in self.terms.items()},
-            dora_magnitudes={n: m.clone() for n, m in self.dora_magnitudes.items()},
-            replacements={n: r.clone() for n, r in self.replacements.items()},
-        )
+from sync_service.merge.terms import LoraAdapter
 
 
 def adapter_from_state_dict(
@@ -113,8 +41,6 @@ def adapter_from_state_dict(
         MergeError: non-LoRA adapter type, lora_bias, a key matching no base tensor, a shape or
             rank mismatch, DoRA where PEFT has no DoRA (3D experts, embeddings).
     """
-    from sync_service.merge.adapter_keys import normalise
-
     return normalise(peft_config, state_dict, layout, base_metas, dict(tied_aliases or {}))
 
 

@@ -23,15 +23,14 @@ from collections import defaultdict
 
 import torch
 
-from protocols.params import ParamMeta
-from sync_service.merge.adapter import LoraAdapter, LoraTerm, sel_len
+from protocols.params import FLOAT_DTYPES, ParamMeta
 from sync_service.merge.errors import MergeError
 from sync_service.merge.finite import all_finite
 from sync_service.merge.layouts import FamilyLayout
+from sync_service.merge.terms import LoraAdapter, LoraTerm, sel_len
 
 _PREFIX = "base_model.model."
 _LORA_PARTS = ("lora_A.weight", "lora_B.weight", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
-_FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
 _NON_LORA = ("hada_", "lokr_", "ia3_", "oft_", "boft_", "vera_", "fourierft_", "lora_E", "ranknum")
 
 
@@ -88,7 +87,7 @@ def _check_factor(key: str, t: torch.Tensor) -> None:
 
 
 def _check_float_base(module: str, meta: ParamMeta) -> None:
-    if meta.dtype not in _FLOAT_DTYPES:
+    if meta.dtype not in FLOAT_DTYPES:
         raise MergeError(f"adapter module {module}: targets base {meta.name} of dtype {meta.dtype}; LoRA merges "
                          f"only into floating-point tensors — remove the module from the adapter or fix the base")
 

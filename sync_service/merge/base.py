@@ -20,23 +20,11 @@ import torch
 from safetensors import safe_open
 
 from protocols.params import Box, ParamMeta, box_shape, full_box
+from sync_service.dtypes import SAFETENSORS_DTYPES, torch_dtype, wire_dtype
 from sync_service.merge.errors import MergeError
 from sync_service.merge.inputs import read_json_object, read_safetensors
 from sync_service.merge.layouts import FamilyLayout, layout_for
 from sync_service.merge.targets import Piece, target_pieces
-
-# safetensors dtype tags → wire dtype names (protocols.params.DTYPE_BYTES keys)
-_ST_DTYPES = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32",
-    "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-}
-
-
-def wire_dtype(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` → ``"bfloat16"``."""
-    return str(dtype).removeprefix("torch.")
-
 
 def layer_order_key(name: str) -> tuple[int, int, str]:
     """Sort key: embeddings, then decoder layers by index, then the rest (final norm, lm_head)."""
@@ -68,7 +56,7 @@ class MappedSafetensors:
         """The whole tensor ``key`` as a view, or ``None`` if its bytes are not aligned to its dtype."""
         if key not in self._views:
             info = self._header[key]
-            dtype = getattr(torch, _ST_DTYPES[info["dtype"]])
+            dtype = torch_dtype(SAFETENSORS_DTYPES[info["dtype"]])
             begin, end = (self._data_start + o for o in info["data_offsets"])
             aligned = begin % dtype.itemsize == 0
             self._views[key] = self._raw[begin:end].view(dtype).view(info["shape"]) if aligned else None
@@ -156,7 +144,7 @@ class SafetensorsBase:
             with read_safetensors(path, lambda p: safe_open(p, framework="pt")) as f:
                 for key in f.keys():
                     sl = f.get_slice(key)
-                    index[key] = (str(path), _ST_DTYPES[sl.get_dtype()], tuple(sl.get_shape()))
+                    index[key] = (str(path), SAFETENSORS_DTYPES[sl.get_dtype()], tuple(sl.get_shape()))
         return index
 
     def _assemble(self, disk: dict[str, tuple[str, str, tuple[int, ...]]]) -> list[ParamMeta]:
@@ -250,7 +238,7 @@ class SafetensorsBase:
                 out = torch.empty(box_shape(box), dtype=values.dtype)
             out[tuple(slice(a - ba, b - ba) for (a, b), (ba, _) in zip(sub, box))] = values
         if out is None and any(a == b for a, b in box):  # empty box
-            return torch.empty(box_shape(box), dtype=getattr(torch, self._meta_dtype(name)))
+            return torch.empty(box_shape(box), dtype=torch_dtype(self._meta_dtype(name)))
         assert out is not None, f"box {box} of {name} covers no piece"
         return out
 

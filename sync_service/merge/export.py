@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from protocols.params import DTYPE_BYTES
+from protocols.params import DTYPE_BYTES, MERGE_DTYPES
+from sync_service.dtypes import wire_dtype
 from sync_service.merge.adapter import load_adapter
 from sync_service.merge.base import SafetensorsBase
 from sync_service.merge.errors import MergeError
@@ -36,7 +37,7 @@ _COPIED = (
     "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
     "chat_template.json", "preprocessor_config.json", "processor_config.json",
 )
-_FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
+_FLOAT_DTYPES = tuple(sorted(MERGE_DTYPES))
 
 
 _ALIGN = 8  # bytes; every tensor view of the shard buffer starts aligned for any dtype
@@ -73,7 +74,7 @@ def _plan_shards(source: MergedSource, target: str, max_shard_bytes: int) -> lis
 
 
 def _nbytes(source: MergedSource, name: str, piece: Piece) -> int:
-    nbytes = DTYPE_BYTES[str(source.out_dtype(name)).removeprefix("torch.")]
+    nbytes = DTYPE_BYTES[wire_dtype(source.out_dtype(name))]
     for n in piece.shape:
         nbytes *= n
     return nbytes

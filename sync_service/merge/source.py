@@ -13,13 +13,14 @@ from dataclasses import dataclass
 import torch
 
 from protocols.params import Box, ParamMeta, box_shape, full_box
-from sync_service.merge.adapter import LoraAdapter
+from sync_service.dtypes import TORCH_DTYPES
 from sync_service.merge.base import BaseProvider
 from sync_service.merge.errors import MergeError
 from sync_service.merge.finite import all_finite
 from sync_service.merge.layouts import FamilyLayout
 from sync_service.merge.staging import Scratch, apply_parts, apply_terms, chunks, term_parts
 from sync_service.merge.targets import target_pieces
+from sync_service.merge.terms import LoraAdapter
 
 
 @dataclass(kw_only=True, slots=True)
@@ -102,7 +103,7 @@ class MergedSource:
 
     def out_dtype(self, name: str) -> torch.dtype:
         """The dtype ``fill`` writes for ``name``: the owned meta's (default: ``out_dtype`` or the base's)."""
-        return getattr(torch, self._dtypes[name])
+        return TORCH_DTYPES[self._dtypes[name]]
 
     def fill(self, name: str, box: Box, out: torch.Tensor) -> None:
         """Write the merged values of ``box`` of ``name`` into ``out`` (shape ``box_shape(box)``).

@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from protocols.params import Box, box_shape
-from sync_service.merge.adapter import LoraTerm, Sel
+from sync_service.merge.terms import LoraTerm, Sel
 
 _FP32_BYTES = 4
 

@@ -30,7 +30,7 @@ def rose(result: RLResult) -> tuple[bool, bool]:
 
 def run_demo_rl(cache_dir: Path, *, config: RLConfig, png_path: Path | None, json_path: Path | None) -> int:
     """Run both curves on the cached demo model; 0 if the synced reward rose and the control did not."""
-    from sync_service.demo import DEMO_MODEL, ensure_files
+    from sync_service.synthetic.demo_files import DEMO_MODEL, ensure_files
     from sync_service.rl.plot import save_reward_plot
     from sync_service.sync_cli import quiet_libraries, start_ray
 

@@ -7,7 +7,7 @@ boxes from the rank's local tensors (a ``BaseProvider``); ``factors.py`` all-gat
 """
 
 from sync_service.sharding.base import ShardedBase, load_shard, shard_tensors
-from sync_service.sharding.factors import gather_factors, local_factors
+from sync_service.sharding.ep_factors import gather_factors, local_factors
 from sync_service.sharding.rules import Piece, ShardSpec, shard_pieces
 
 __all__ = ["Piece", "ShardSpec", "ShardedBase", "gather_factors", "load_shard", "local_factors",

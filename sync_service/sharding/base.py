@@ -15,13 +15,10 @@ from dataclasses import dataclass
 import torch
 
 from protocols.params import Box, ParamMeta, box_shape
+from sync_service.dtypes import torch_dtype, wire_dtype
 from sync_service.sharding.rules import Piece, ShardSpec, local_shape, owns, shard_pieces
 
 __all__ = ["LocalShard", "ShardedBase", "load_shard", "shard_tensors"]
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _slices(box: Box) -> tuple[slice, ...]:
@@ -115,7 +112,7 @@ def shard_tensors(tensors: Mapping[str, torch.Tensor], spec: ShardSpec, *, layou
     """
     shards = {}
     for name, full in tensors.items():
-        meta = ParamMeta(name=name, dtype=_dtype_name(full.dtype), shape=tuple(full.shape))
+        meta = ParamMeta(name=name, dtype=wire_dtype(full.dtype), shape=tuple(full.shape))
         shards[name] = _make_shard(meta, spec, lambda box, full=full: full[_slices(box)])
     return ShardedBase(shards, layout=layout)
 
@@ -136,7 +133,7 @@ def load_shard(provider: object, spec: ShardSpec) -> ShardedBase:
 
 def _make_shard(meta: ParamMeta, spec: ShardSpec, read_global) -> LocalShard:
     pieces = tuple(shard_pieces(meta, spec))
-    dtype = getattr(torch, meta.dtype)
+    dtype = torch_dtype(meta.dtype)
     local = torch.empty(local_shape(meta, spec), dtype=dtype)
     for piece in pieces:
         local[_slices(piece.local_box)].copy_(read_global(piece.global_box))

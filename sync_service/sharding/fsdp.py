@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from protocols.params import ParamMeta
+from sync_service.dtypes import wire_dtype
 from sync_service.sharding.base import LocalShard, ShardedBase
 from sync_service.sharding.rules import Piece
 
@@ -36,7 +37,7 @@ def fsdp_base(dtensors: Mapping[str, DTensor], *, layout: object | None = None) 
         local = dt.to_local()
         shape = tuple(dt.shape)
         local_shape, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
-        meta = ParamMeta(name=name, dtype=str(dt.dtype).removeprefix("torch."), shape=shape)
+        meta = ParamMeta(name=name, dtype=wire_dtype(dt.dtype), shape=shape)
         rows = local_shape[0] if shape else 0
         pieces: tuple[Piece, ...] = ()
         if shape and rows > 0:

@@ -3,7 +3,7 @@
 An EP rank produces only the boxes of its own expert block ``[off, off + E_local)`` (plus the
 replicated tensors), and exactly its own factors feed them: PEFT's packing restricted to a block is
 the same packing with ``E_local`` experts (A rows ``e·r + k``, B columns ``k·E_local + e``; see
-``sharding/factors.py``). So the rank normalises its local factors against its base metas with
+``sharding/ep_factors.py``). So the rank normalises its local factors against its base metas with
 fused expert tensors shrunk to ``E_local`` and shifts each expert term by ``off`` (legacy
 per-expert keys are already in global expert ids and need neither). No collective, no full-size
 factor anywhere, and nothing is normalised twice: ``LocalAdapter.update`` copies a snapshot's values
@@ -18,11 +18,12 @@ from collections.abc import Mapping
 
 import torch
 
-from sync_service.merge.adapter import LoraAdapter, adapter_from_state_dict
+from sync_service.merge.adapter import adapter_from_state_dict
 from sync_service.merge.errors import MergeError
 from sync_service.merge.finite import all_finite
+from sync_service.merge.terms import LoraAdapter
 from sync_service.sharding.base import ShardedBase
-from sync_service.sharding.factors import factor_kind
+from sync_service.sharding.ep_factors import factor_kind
 from sync_service.sharding.rules import ShardSpec
 
 __all__ = ["LocalAdapter", "FUSED_EXPERTS"]

@@ -21,7 +21,7 @@ from sync_service.merge.adapter import adapter_from_state_dict
 from sync_service.merge.errors import MergeError
 from sync_service.merge.source import MergeConfig, MergedSource
 from sync_service.sharding.base import ShardedBase
-from sync_service.sharding.factors import FactorGather, local_factors
+from sync_service.sharding.ep_factors import FactorGather, local_factors
 from sync_service.sharding.local_adapter import FUSED_EXPERTS, LocalAdapter
 from sync_service.sharding.rules import ShardSpec
 
@@ -215,7 +215,7 @@ def _check_expert_ownership(base: ShardedBase, spec: ShardSpec, num_experts: int
 
 
 def _full_shape(key: str, t: torch.Tensor, spec: ShardSpec, num_experts: int) -> tuple[int, ...]:
-    from sync_service.sharding.factors import factor_kind
+    from sync_service.sharding.ep_factors import factor_kind
 
     kind = factor_kind(key)
     if kind == "rows":

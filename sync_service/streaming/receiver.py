@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 from protocols.interfaces import EngineAdapter, PeerLostError, TransportReceiver
 from protocols.wire import (
-    Abort, Ack, Begin, BucketHeader, Commit, Error, PlanEntry, ProtocolError, SyncPlan, decode, encode,
-    plan_digest, verify_mac,
+    Abort, Ack, Begin, BucketHeader, Commit, Error, PlanEntry, ProtocolError, SyncPlan, encode, plan_digest, verify_mac,
 )
+from protocols.wire_check import decode
 from sync_service.streaming.applier import ApplyStage
 from sync_service.streaming.checksum import checksum
 from sync_service.streaming.plan import buckets_of, senders, subset_plan

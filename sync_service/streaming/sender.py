@@ -24,9 +24,9 @@ import torch
 
 from protocols.interfaces import TransportSender, WeightSource
 from protocols.wire import (
-    Abort, Ack, Begin, BucketHeader, Commit, Error, PlanEntry, ProtocolError, SyncPlan, decode, encode,
-    plan_digest, seal,
+    Abort, Ack, Begin, BucketHeader, Commit, Error, PlanEntry, ProtocolError, SyncPlan, encode, plan_digest, seal,
 )
+from protocols.wire_check import decode
 from sync_service.streaming.checksum import RunningChecksum
 from sync_service.streaming.plan import buckets_of, subset_plan
 from sync_service.streaming.pool import BucketPool

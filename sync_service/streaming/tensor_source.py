@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 
 from protocols.params import Box, ParamMeta, box_shape
-from sync_service.streaming.views import WIRE_DTYPES
+from sync_service.dtypes import wire_dtype
 
 
 class TensorSource:
@@ -19,7 +19,7 @@ class TensorSource:
         self.changed = frozenset(self.tensors if changed is None else changed)
 
     def param_metas(self) -> Sequence[ParamMeta]:
-        return [ParamMeta(n, WIRE_DTYPES[t.dtype], tuple(t.shape)) for n, t in self.tensors.items()]
+        return [ParamMeta(n, wire_dtype(t.dtype), tuple(t.shape)) for n, t in self.tensors.items()]
 
     def changed_names(self) -> frozenset[str]:
         return self.changed

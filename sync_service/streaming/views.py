@@ -13,14 +13,8 @@ import torch
 
 from protocols.params import box_shape
 from protocols.wire import PlanEntry
+from sync_service.dtypes import TORCH_DTYPES
 
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "float64": torch.float64, "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
-    "int8": torch.int8, "uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32,
-    "int64": torch.int64, "bool": torch.bool,
-}
-WIRE_DTYPES: dict[torch.dtype, str] = {v: k for k, v in TORCH_DTYPES.items()}
 
 
 def as_byte_tensor(buf) -> torch.Tensor:

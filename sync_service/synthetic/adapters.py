@@ -112,30 +112,11 @@ def make_adapter(
     spec = family_spec(family)
     base, out = Path(base_dir), Path(out_dir)
     if kind == "legacy":
-        if spec.legacy_experts is None:
-            raise ValueError(f"{family} stores experts fused on disk; no per-expert (legacy) adapter layout exists")
-        if use_dora or modules_to_save or lora_bias:
-            raise ValueError("legacy adapters are written by hand without DoRA, modules_to_save or lora_bias")
-    default_modules, target_parameters = _default_targets(spec, kind)
-    modules = list(target_modules) if target_modules is not None else default_modules
-    if (use_dora or lora_bias) and kind == "dense":
-        target_parameters = []
-    from peft import LoraConfig
-
-    config = LoraConfig(
-        r=r,
-        lora_alpha=lora_alpha,
-        target_modules=modules,
-        target_parameters=target_parameters or None,
-        use_rslora=use_rslora,
-        rank_pattern=dict(rank_pattern or {}),
-        alpha_pattern=dict(alpha_pattern or {}),
-        use_dora=use_dora,
-        modules_to_save=list(modules_to_save) if modules_to_save else None,
-        lora_bias=lora_bias,
-        task_type="CAUSAL_LM",
-        base_model_name_or_path=str(base),
-    )
+        _check_legacy(spec, family, use_dora=use_dora, modules_to_save=modules_to_save, lora_bias=lora_bias)
+    config = _lora_config(spec, kind, base, target_modules, r=r, lora_alpha=lora_alpha, use_rslora=use_rslora,
+                          rank_pattern=dict(rank_pattern or {}), alpha_pattern=dict(alpha_pattern or {}),
+                          use_dora=use_dora, modules_to_save=list(modules_to_save) if modules_to_save else None,
+                          lora_bias=lora_bias)
     out.mkdir(parents=True, exist_ok=True)
     if kind == "legacy":
         _write_legacy(spec, base, out, config, seed=seed, init_scale=init_scale)
@@ -146,6 +127,28 @@ def make_adapter(
     _randomize_adapter_(peft_model, seed=seed, init_scale=init_scale)
     peft_model.save_pretrained(str(out), save_embedding_layers=save_embedding_layers)
     return out
+
+
+def _check_legacy(spec: FamilySpec, family: str, *, use_dora: bool, modules_to_save, lora_bias: bool) -> None:
+    """Raises ValueError unless ``family`` has per-expert keys on disk and no option the hand-written
+    legacy layout lacks is asked for."""
+    if spec.legacy_experts is None:
+        raise ValueError(f"{family} stores experts fused on disk; no per-expert (legacy) adapter layout exists")
+    if use_dora or modules_to_save or lora_bias:
+        raise ValueError("legacy adapters are written by hand without DoRA, modules_to_save or lora_bias")
+
+
+def _lora_config(spec: FamilySpec, kind: str, base: Path, target_modules: Sequence[str] | None, **lora):
+    """PEFT ``LoraConfig`` of ``kind`` for a family: its default targets (``target_modules`` replaces the
+    modules), the ``lora`` options (``r``, ``lora_alpha``, ``use_dora``, ...) as ``LoraConfig`` takes them."""
+    from peft import LoraConfig
+
+    default_modules, target_parameters = _default_targets(spec, kind)
+    modules = list(target_modules) if target_modules is not None else default_modules
+    if (lora["use_dora"] or lora["lora_bias"]) and kind == "dense":
+        target_parameters = []
+    return LoraConfig(target_modules=modules, target_parameters=target_parameters or None, task_type="CAUSAL_LM",
+                      base_model_name_or_path=str(base), **lora)
 
 
 def base_tensor_shapes(base_dir: str | Path) -> dict[str, tuple[int, ...]]:

@@ -12,22 +12,21 @@ from pathlib import Path
 
 import torch
 
+from protocols.params import MERGE_DTYPES
+from sync_service.dtypes import TORCH_DTYPES
 from sync_service.synthetic.families import Sizes, family_spec
 from sync_service.synthetic.tokenizer import save_tokenizer
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def torch_dtype(name: str) -> torch.dtype:
-    """``"float32"`` / ``"bfloat16"`` / ``"float16"`` → torch dtype.
+    """A generated base's dtype: ``"float32"`` / ``"bfloat16"`` / ``"float16"`` / ``"float64"`` → torch dtype.
 
     Raises:
         ValueError: any other name.
     """
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unsupported dtype {name!r}; use one of {sorted(_DTYPES)}") from None
+    if name not in MERGE_DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; use one of {sorted(MERGE_DTYPES)}")
+    return TORCH_DTYPES[name]
 
 
 def build_config(

@@ -8,26 +8,19 @@ from __future__ import annotations
 
 import importlib
 
-from sync_service.transports.spec import TransportSpec
-
-# kind -> (module, sender class, receiver class)
-_KINDS: dict[str, tuple[str, str, str]] = {
-    "shm": ("sync_service.transports.shm", "ShmSender", "ShmReceiver"),
-    "ray": ("sync_service.transports.ray_store", "RaySender", "RayReceiver"),
-    "torch_dist": ("sync_service.transports.torch_dist", "DistSender", "DistReceiver"),
-}
+from sync_service.transports.spec import KINDS, TRANSPORTS, TransportChoice, TransportSpec
 
 
 def open_sender(spec: TransportSpec, sender: int = 0):
     """The sender side of ``spec`` for trainer shard ``sender`` (blocks up to ``spec.connect_timeout_s``)."""
-    module, cls, _ = _KINDS[spec.kind]
+    module, cls, _ = KINDS[spec.kind]
     return getattr(importlib.import_module(module), cls)(spec, sender)
 
 
 def open_receiver(spec: TransportSpec, receiver: int = 0):
     """The receiver side of ``spec`` for rollout engine ``receiver`` (blocks up to ``spec.connect_timeout_s``)."""
-    module, _, cls = _KINDS[spec.kind]
+    module, _, cls = KINDS[spec.kind]
     return getattr(importlib.import_module(module), cls)(spec, receiver)
 
 
-__all__ = ["TransportSpec", "open_receiver", "open_sender"]
+__all__ = ["KINDS", "TRANSPORTS", "TransportChoice", "TransportSpec", "open_receiver", "open_sender"]

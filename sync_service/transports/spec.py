@@ -11,7 +11,31 @@ from dataclasses import dataclass
 
 import msgpack
 
-KINDS = ("shm", "ray", "torch_dist")
+KINDS: dict[str, tuple[str, str, str]] = {
+    "shm": ("sync_service.transports.shm", "ShmSender", "ShmReceiver"),
+    "ray": ("sync_service.transports.ray_store", "RaySender", "RayReceiver"),
+    "torch_dist": ("sync_service.transports.torch_dist", "DistSender", "DistReceiver"),
+}
+"""``TransportSpec.kind`` → (module, sender class, receiver class); the module is imported on first use."""
+
+
+@dataclass(frozen=True, slots=True)
+class TransportChoice:
+    """The spec kinds one ``SyncConfig.transport`` value uses."""
+
+    push: str
+    """``TransportSpec.kind`` of a push (trainer shards → every engine)."""
+    join: str
+    """``TransportSpec.kind`` of a late joiner's peer copy (torch.distributed needs a rendezvous port per
+    channel; the object store reaches any host without one)."""
+
+
+TRANSPORTS: dict[str, TransportChoice] = {
+    "shm": TransportChoice(push="shm", join="shm"),
+    "ray": TransportChoice(push="ray", join="ray"),
+    "torch": TransportChoice(push="torch_dist", join="ray"),
+}
+"""``SyncConfig.transport`` (and the CLIs' ``--transport``) → the spec kinds it uses."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -43,7 +67,7 @@ class TransportSpec:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise ValueError(f"TransportSpec.kind={self.kind!r}; use one of {KINDS}")
+            raise ValueError(f"TransportSpec.kind={self.kind!r}; use one of {tuple(KINDS)}")
         if not self.name or "/" in self.name or len(self.name) > 64:
             raise ValueError(f"TransportSpec.name={self.name!r}: 1-64 chars, no '/'")
         for f in ("num_senders", "num_receivers", "bucket_bytes", "max_header_bytes", "slots"):

@@ -10,12 +10,14 @@ import numpy as np
 import ray
 import torch
 
-from protocols.wire import Begin, BucketHeader, Commit, decode, encode, plan_digest
+from protocols.wire import Begin, BucketHeader, Commit, encode, plan_digest
+from protocols.wire_check import decode
+from sync_service.dtypes import TORCH_DTYPES
 from sync_service.engines.memory import MemoryEngine
 from sync_service.streaming import BucketPool, BucketReceiver, Sender, TensorSource, buckets_of
 from sync_service.streaming.checksum import checksum
 from sync_service.streaming.sender import pack_bucket
-from sync_service.streaming.views import TORCH_DTYPES, as_byte_tensor
+from sync_service.streaming.views import as_byte_tensor
 from sync_service.transports import TransportSpec, open_receiver, open_sender
 
 

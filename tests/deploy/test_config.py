@@ -68,5 +68,8 @@ def test_secret_from_env_then_file(tmp_path):
     (tmp_path / "s").write_text("f" * 64 + "\n")
     assert load_secret(cfg, environ={}) == b"f" * 64
     assert load_secret(cfg, environ={cfg.env: "e" * 40}) == b"e" * 40
-    with pytest.raises(ConfigError, match="holds 5 bytes"):
+    with pytest.raises(ConfigError, match=r"\$WEIGHTSYNC_SESSION_SECRET has 5 bytes, need >= 32"):
         load_secret(cfg, environ={cfg.env: "short"})
+    (tmp_path / "s").chmod(0o666)  # anyone could replace the key: refused like weightsync sync's --secret-file
+    with pytest.raises(ConfigError, match="writable by group/others"):
+        load_secret(cfg, environ={})

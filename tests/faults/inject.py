@@ -15,7 +15,8 @@ import time
 
 import numpy as np
 
-from protocols.wire import BucketHeader, decode
+from protocols.wire import BucketHeader
+from protocols.wire_check import decode
 
 
 class FaultyAdapter:

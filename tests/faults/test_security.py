@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from protocols.wire import BucketHeader, ProtocolError, decode, encode, seal
+from protocols.wire import BucketHeader, ProtocolError, encode, seal
+from protocols.wire_check import decode
 from sync_service.api import SyncConfig, WeightSync
 from sync_service.security import SECRET_FILE_ENV, fingerprint, new_secret, read_secret_file, resolve_secret
 from sync_service.streaming import TensorSource, build_plan

@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from sync_service.demo import DEMO_ADAPTER, DEMO_MODEL
 from sync_service.rl import RLConfig
 from sync_service.rl.loop import run_rl, window_means
 from sync_service.rl.plot import save_reward_plot
 from sync_service.synthetic import make_adapter, make_base
+from sync_service.synthetic.demo_files import DEMO_ADAPTER, DEMO_MODEL
 
 pytest.importorskip("ray")
 

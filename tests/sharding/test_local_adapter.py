@@ -13,6 +13,7 @@ from peft import PeftConfig
 from safetensors.torch import load_file
 
 from protocols.params import box_shape
+from sync_service.dtypes import TORCH_DTYPES
 from sync_service.merge.adapter import adapter_from_state_dict
 from sync_service.merge.base import SafetensorsBase
 from sync_service.merge.errors import MergeError
@@ -72,7 +73,7 @@ def test_rank_boxes_equal_the_whole_merge_before_and_after_a_refresh(checkpoint,
                                layout=state.base.layout)
             assert source.changed_names() == ref.changed_names()
             for m in state.owned():
-                out, want = (torch.empty(box_shape(m.box), dtype=getattr(torch, m.dtype)) for _ in range(2))
+                out, want = (torch.empty(box_shape(m.box), dtype=TORCH_DTYPES[m.dtype]) for _ in range(2))
                 source.fill(m.name, m.box, out)
                 ref.fill(m.name, m.box, want)
                 assert torch.equal(out, want), f"rank {rank} of ep={ep} tp={tp}, v{version}: {m.name} {m.box}"

@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protocols.wire import (
-    MAX_HEADER_BYTES, Abort, Ack, Begin, BucketHeader, Commit, Error, PlanEntry, ProtocolError, SyncPlan, decode,
-    encode, seal, verify_mac,
+    MAX_HEADER_BYTES, Abort, Ack, Begin, BucketHeader, Commit, Error, PlanEntry, ProtocolError, SyncPlan, encode, seal, verify_mac,
 )
+from protocols.wire_check import decode
 
 E0 = PlanEntry(name="w", dtype="bfloat16", shape=(4, 8), box=((0, 2), (0, 8)), sender=0, bucket=0, offset=0, nbytes=32)
 E1 = PlanEntry(name="s", dtype="float32", shape=(), box=(), sender=0, bucket=0, offset=64, nbytes=4)

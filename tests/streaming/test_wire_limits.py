@@ -7,7 +7,8 @@ import time
 import msgpack
 import pytest
 
-from protocols.wire import MAX_BUCKET_ENTRIES, MAX_NDIM, MAX_PLAN_ENTRIES, ProtocolError, SyncPlan, decode
+from protocols.wire import MAX_BUCKET_ENTRIES, MAX_NDIM, MAX_PLAN_ENTRIES, ProtocolError, SyncPlan
+from protocols.wire_check import decode
 
 
 @pytest.mark.parametrize("prefix", [b"\x92\x01", b"\x92", b"\x94\x01\xa4plan\xa0\x00\x01\x91"], ids=["tag", "schema", "plan"])

@@ -25,6 +25,7 @@ import torch
 
 from protocols.interfaces import PauseMode
 from protocols.params import Box, ParamMeta, box_numel, box_shape
+from sync_service.dtypes import wire_dtype
 from sync_service.engines.hf import GenerateResult
 from sync_service.engines.vllm.config import VLLMEngineConfig
 from sync_service.engines.vllm.gate import ServeGate
@@ -150,7 +151,7 @@ class VLLMEngine:
             raise KeyError(f"{name!r} was not announced in begin_update({self._pending})")
         meta = self._by_name[name]
         shape = meta.shape
-        if str(data.dtype).removeprefix("torch.") != meta.dtype:
+        if wire_dtype(data.dtype) != meta.dtype:
             raise ValueError(f"data for {name!r} is {data.dtype}, the engine holds {meta.dtype}; cast on the trainer side")
         if len(box) != len(shape) or any(not (0 <= a < b <= n) for (a, b), n in zip(box, shape)):
             raise ValueError(f"box {box} of {name!r} is outside its shape {shape}")

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from protocols.params import ParamMeta
+from sync_service.dtypes import torch_dtype
 
 __all__ = ["owner_modules", "names_by_module"]
 
@@ -48,7 +49,7 @@ def owner_modules(model: torch.nn.Module, metas: Iterable[ParamMeta]) -> dict[st
     try:
         for meta in metas:
             current[0] = meta.name
-            probe = torch.empty(meta.shape, dtype=getattr(torch, meta.dtype), device="meta")
+            probe = torch.empty(meta.shape, dtype=torch_dtype(meta.dtype), device="meta")
             try:
                 model.load_weights([(meta.name, probe)])
             except Exception as e:  # noqa: BLE001 - re-raised with the name

@@ -23,7 +23,8 @@ import torch
 from safetensors import safe_open
 
 from protocols.params import Box, ParamMeta, box_numel, box_shape
-from sync_service.merge.base import layer_order_key, wire_dtype
+from sync_service.dtypes import wire_dtype
+from sync_service.merge.base import layer_order_key
 
 __all__ = ["CheckpointStore", "checkpoint_files"]
 

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from protocols.params import Box
+from sync_service.dtypes import torch_dtype, wire_dtype
 from sync_service.engines.vllm.layer_map import names_by_module, owner_modules
 from sync_service.engines.vllm.reload import reload_modules
 from sync_service.engines.vllm.store import CheckpointStore
@@ -33,7 +34,7 @@ WORKER_EXTENSION = f"{__name__}.WeightSyncExtension"
 def tensor_payload(data: torch.Tensor) -> tuple[str, list[int], bytes]:
     """``(wire dtype, shape, raw little-endian bytes)`` of a CPU tensor, for RPCs that do not carry tensors."""
     flat = data.detach().contiguous().reshape(-1)
-    return str(data.dtype).removeprefix("torch."), list(data.shape), flat.view(torch.uint8).numpy().tobytes()
+    return wire_dtype(data.dtype), list(data.shape), flat.view(torch.uint8).numpy().tobytes()
 
 
 def tensor_from_payload(payload: object) -> torch.Tensor:
@@ -45,9 +46,7 @@ def tensor_from_payload(payload: object) -> torch.Tensor:
     if isinstance(payload, torch.Tensor):
         return payload
     dtype_name, shape, raw = payload
-    dtype = getattr(torch, str(dtype_name), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"payload dtype {dtype_name!r} is not a torch dtype name")
+    dtype = torch_dtype(dtype_name)
     flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     if flat.numel() != math.prod(shape) * dtype.itemsize:
         raise ValueError(f"payload of {flat.numel()} bytes does not hold {dtype_name}{list(shape)}")

@@ -1,6 +1,6 @@
 """Trainer side of factor streaming: ``FactorSource`` (a ``WeightSource``) and ``FactorLedger`` (deltas).
 
-``FactorSource.fill`` serves three kinds of plan entries (``factors.plan``):
+``FactorSource.fill`` serves three kinds of plan entries (``factor_stream.plan``):
 - a recipe entry: the x then y bytes of one term block of the version's adapter;
 - a tensor entry of a factor-mode target: the pristine base W0 (full syncs only);
 - any other tensor entry: the merged values, exactly as merged mode (``MergedSource.fill``).
@@ -20,9 +20,9 @@ import xxhash
 from protocols.params import Box, ParamMeta
 from protocols.recipe import Recipe
 from protocols.wire import SyncPlan
-from sync_service.factors.recipes import write_block
-from sync_service.merge.adapter import LoraTerm
+from sync_service.factor_stream.recipes import write_block
 from sync_service.merge.source import MergedSource
+from sync_service.merge.terms import LoraTerm
 
 __all__ = ["FactorSource", "FactorLedger", "AdapterStructureError"]
 

@@ -13,10 +13,11 @@ import torch
 
 from protocols.recipe import recipe_list
 from protocols.wire import SyncPlan
-from sync_service.factors.plan import adapter_recipes, recipe_names_of, target_costs
-from sync_service.factors.source import FactorLedger, FactorSource
-from sync_service.merge.adapter import LoraAdapter, adapter_from_state_dict
+from sync_service.factor_stream.plan import adapter_recipes, recipe_names_of, target_costs
+from sync_service.factor_stream.source import FactorLedger, FactorSource
+from sync_service.merge.adapter import adapter_from_state_dict
 from sync_service.merge.source import MergedSource
+from sync_service.merge.terms import LoraAdapter
 
 __all__ = ["FactorTrainer", "structural_adapter"]
 

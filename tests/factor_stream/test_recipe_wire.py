@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protocols.recipe import Recipe
-from protocols.wire import BucketHeader, PlanEntry, ProtocolError, SyncPlan, decode, encode
+from protocols.wire import BucketHeader, PlanEntry, ProtocolError, SyncPlan, encode
+from protocols.wire_check import decode
 
 RECIPE = Recipe(target="model.layers.0.mlp.experts.gate_up_proj", target_dtype="bfloat16", target_shape=(4, 16, 8),
                 term=0, term_experts=(0, 4), experts=(2, 4), rows=(1, 16, 2), cols=(0, 8, 1), rank=2, scaling=0.5,

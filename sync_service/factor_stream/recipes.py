@@ -20,8 +20,8 @@ import torch
 
 from protocols.params import DTYPE_BYTES, ParamMeta
 from protocols.recipe import Recipe, sel_len
-from sync_service.merge.adapter import LoraTerm
-from sync_service.streaming.views import TORCH_DTYPES, WIRE_DTYPES
+from sync_service.dtypes import TORCH_DTYPES, WIRE_DTYPES
+from sync_service.merge.terms import LoraTerm
 
 __all__ = ["TermBuffers", "recipes_for_target", "term_factor_bytes", "write_block", "read_block"]
 

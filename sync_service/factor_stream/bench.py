@@ -33,8 +33,8 @@ def factor_streaming_row(family: str = "qwen3_moe", *, dtype: str = "bfloat16", 
     from peft import PeftConfig
     from safetensors.torch import load_file
 
-    from sync_service.factors.choose import FactorPolicy
-    from sync_service.factors.local import LocalSync, LocalSyncConfig
+    from sync_service.factor_stream.choose import FactorPolicy
+    from sync_service.factor_stream.local import LocalSync, LocalSyncConfig
     from sync_service.merge.base import SafetensorsBase
     from sync_service.sharding.training import step_delta
     from sync_service.synthetic import make_adapter, make_base

@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 from protocols.params import ParamMeta
 from protocols.recipe import recipe_from_list
 from protocols.wire import SyncPlan
-from sync_service.factors.choose import FactorChoice, FactorPolicy, TargetCost, choose
-from sync_service.factors.plan import build_factor_plan, factor_targets, validate_factor_plan
+from sync_service.factor_stream.choose import FactorChoice, FactorPolicy, TargetCost, choose
+from sync_service.factor_stream.plan import build_factor_plan, factor_targets, validate_factor_plan
 
 __all__ = ["FactorCoordination"]
 log = logging.getLogger("weightsync.factors")

@@ -23,12 +23,12 @@ import torch
 from protocols.params import Box, ParamMeta, box_numel, box_shape, full_box
 from protocols.recipe import Recipe
 from protocols.wire import SyncPlan
-from sync_service.factors.plan import merged_boxes
-from sync_service.factors.recipes import TermBuffers, terms_by_target
-from sync_service.merge.adapter import LoraAdapter
+from sync_service.dtypes import TORCH_DTYPES
+from sync_service.factor_stream.plan import merged_boxes
+from sync_service.factor_stream.recipes import TermBuffers, terms_by_target
 from sync_service.merge.base import TensorDictBase
 from sync_service.merge.source import MergeConfig, MergedSource
-from sync_service.streaming.views import TORCH_DTYPES
+from sync_service.merge.terms import LoraAdapter
 
 __all__ = ["FactorEngine", "FactorReceiverConfig", "FactorStateError"]
 _ALL = "all"
@@ -52,7 +52,7 @@ class FactorReceiverConfig:
 
 
 class FactorEngine:
-    """``EngineAdapter`` over ``engine`` for a factor ``plan`` (``factors.plan.build_factor_plan``)."""
+    """``EngineAdapter`` over ``engine`` for a factor ``plan`` (``factor_stream.plan.build_factor_plan``)."""
 
     def __init__(self, engine, plan: SyncPlan, *, config: FactorReceiverConfig | None = None) -> None:
         self.inner = engine

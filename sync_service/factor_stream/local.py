@@ -23,10 +23,10 @@ import torch
 from protocols.wire import SyncPlan
 from sync_service.coordinator.planning import build_sync_plan
 from sync_service.engines.memory import MemoryEngine
-from sync_service.factors.choose import FactorChoice, FactorPolicy, choose
-from sync_service.factors.plan import adapter_recipes, build_factor_plan, factor_targets, recipe_names_of, target_costs, validate_factor_plan
-from sync_service.factors.receiver import FactorEngine, FactorReceiverConfig
-from sync_service.factors.source import FactorLedger, FactorSource
+from sync_service.factor_stream.choose import FactorChoice, FactorPolicy, choose
+from sync_service.factor_stream.plan import adapter_recipes, build_factor_plan, factor_targets, recipe_names_of, target_costs, validate_factor_plan
+from sync_service.factor_stream.receiver import FactorEngine, FactorReceiverConfig
+from sync_service.factor_stream.source import FactorLedger, FactorSource
 from sync_service.merge.adapter import adapter_from_state_dict
 from sync_service.merge.source import MergeConfig, MergedSource
 from sync_service.sharding.base import shard_tensors

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from protocols.params import full_box
-from sync_service.factors.choose import FactorPolicy
-from sync_service.factors.local import LocalSync, LocalSyncConfig
+from sync_service.factor_stream.choose import FactorPolicy
+from sync_service.factor_stream.local import LocalSync, LocalSyncConfig
 from sync_service.merge.adapter import adapter_from_state_dict
 from sync_service.merge.base import TensorDictBase
 from sync_service.merge.source import MergeConfig, MergedSource
-from tests.factors.conftest import differing, train_step
+from tests.factor_stream.conftest import differing, train_step
 
 
 def reference(model, state) -> dict[str, torch.Tensor]:

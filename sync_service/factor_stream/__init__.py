@@ -9,9 +9,9 @@ See docs/scale.md and the module docstrings:
 - ``local``: the whole path in one process (``LocalSync``); ``bench``: ``factor_streaming_row``.
 """
 
-from sync_service.factors.choose import MODES, FactorChoice, FactorPolicy, TargetCost, choose
-from sync_service.factors.receiver import FactorEngine, FactorReceiverConfig, FactorStateError
-from sync_service.factors.source import AdapterStructureError, FactorLedger, FactorSource
+from sync_service.factor_stream.choose import MODES, FactorChoice, FactorPolicy, TargetCost, choose
+from sync_service.factor_stream.receiver import FactorEngine, FactorReceiverConfig, FactorStateError
+from sync_service.factor_stream.source import AdapterStructureError, FactorLedger, FactorSource
 
 __all__ = ["MODES", "AdapterStructureError", "FactorChoice", "FactorEngine", "FactorLedger", "FactorPolicy",
            "FactorReceiverConfig", "FactorSource", "FactorStateError", "TargetCost", "choose"]

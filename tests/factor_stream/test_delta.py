@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from sync_service.factors.choose import FactorPolicy, TargetCost, choose
-from sync_service.factors.local import LocalSync, LocalSyncConfig
-from sync_service.factors.receiver import FactorEngine
-from tests.factors.conftest import differing, train_step
+from sync_service.factor_stream.choose import FactorPolicy, TargetCost, choose
+from sync_service.factor_stream.local import LocalSync, LocalSyncConfig
+from sync_service.factor_stream.receiver import FactorEngine
+from tests.factor_stream.conftest import differing, train_step
 
 A_KEY = "base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight"  # gate_up, [r·E, H] expert-major
 B_KEY = "base_model.model.model.layers.0.mlp.experts.base_layer.lora_B.weight"  # gate_up, [2I, r·E] rank-major
@@ -116,7 +116,7 @@ def test_choose_ranks_by_saving_per_resident_byte():
 
 
 def test_factor_streaming_row_reports_bytes_and_equality():
-    from sync_service.factors.bench import factor_streaming_row
+    from sync_service.factor_stream.bench import factor_streaming_row
 
     row = factor_streaming_row("qwen3_moe", dtype="bfloat16", num_experts=4, hidden=32, intermediate=16, r=2, ep=2)
     assert set(row) == {"bytes", "merged_bytes", "seconds", "bitwise_equal", "engine_extra_bytes"}

@@ -21,9 +21,9 @@ from protocols.params import DTYPE_BYTES, Box, ParamMeta, box_numel
 from protocols.recipe import Recipe
 from protocols.wire import PlanEntry, SyncPlan
 from sync_service.coordinator.planning import PlanMismatchError, validate_plan
-from sync_service.factors.choose import TargetCost
-from sync_service.factors.recipes import factor_dtype_of, recipes_for_target, term_factor_bytes
-from sync_service.merge.adapter import LoraAdapter
+from sync_service.factor_stream.choose import TargetCost
+from sync_service.factor_stream.recipes import factor_dtype_of, recipes_for_target, term_factor_bytes
+from sync_service.merge.terms import LoraAdapter
 from sync_service.streaming.plan import _pack, combine_plans, split_box
 
 __all__ = ["target_costs", "adapter_recipes", "build_factor_plan", "validate_factor_plan", "factor_targets",

@@ -1,0 +1,33 @@
+"""The demo's checkpoint: a small real Qwen3-MoE and a PEFT LoRA adapter, generated once and cached.
+
+Used by ``weightsync demo`` (``sync_service.demo``), its ``--rl`` loop (``sync_service.rl.run``) and the examples.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from sync_service.synthetic.adapters import make_adapter
+from sync_service.synthetic.base import make_base
+
+# the demo model: qwen3_moe, E=8 experts, H=64, I=32, 2 layers (≈ 0.4 M parameters)
+DEMO_MODEL = {"family": "qwen3_moe", "num_experts": 8, "hidden": 64, "intermediate": 32, "num_layers": 2,
+              "vocab_size": 128, "dtype": "float32", "seed": 0}
+DEMO_ADAPTER = {"kind": "target_parameters", "r": 4, "lora_alpha": 16, "seed": 1}
+
+
+def ensure_files(cache_dir: Path) -> tuple[Path, Path]:
+    """The cached demo base + adapter; regenerated when missing or made with other settings."""
+    stamp = cache_dir / "settings.json"
+    settings = {"model": DEMO_MODEL, "adapter": DEMO_ADAPTER}
+    base, adapter = cache_dir / "base", cache_dir / "lora"
+    if stamp.is_file() and json.loads(stamp.read_text()) == settings and (adapter / "adapter_config.json").is_file():
+        return base, adapter
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    model = dict(DEMO_MODEL)
+    family = model.pop("family")
+    make_base(family, base, **model)
+    make_adapter(family, base, adapter, **DEMO_ADAPTER)
+    stamp.write_text(json.dumps(settings, indent=2) + "\n")
+    return base, adapter
