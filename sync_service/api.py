@@ -70,6 +70,12 @@ class SyncConfig:
     """Per engine budget for the resident pristine base copies of factor mode, bytes; ``None``: no limit."""
     experts_per_recipe: int = 8
     """Experts per factor block: the granularity of a factor delta."""
+    metrics_port: int | None = None
+    """Serve Prometheus metrics (``sync_service/telemetry.py``) on ``metrics_host:metrics_port/metrics``
+    from construction to ``close()``; 0: a free port (``WeightSync.metrics_port`` tells which);
+    ``None``: not served (``WeightSync.serve_metrics`` can start it later)."""
+    metrics_host: str = "127.0.0.1"
+    """Address the metrics endpoint binds (``"0.0.0.0"``: every interface, for a scraper on another host)."""
 
     def __post_init__(self) -> None:
         for name, kinds in _FIELD_TYPES.items():
@@ -81,6 +87,12 @@ class SyncConfig:
             raise ValueError(f"SyncConfig.transport={self.transport!r}; use one of {sorted(TRANSPORTS)}")
         if self.bucket_bytes <= 0 or self.bucket_bytes % 64:
             raise ValueError(f"SyncConfig.bucket_bytes={self.bucket_bytes} must be a positive multiple of 64")
+        if self.bucket_bytes > MAX_BUCKET_BYTES:
+            raise ValueError(f"SyncConfig.bucket_bytes={self.bucket_bytes} exceeds {MAX_BUCKET_BYTES} (8 GiB): every "
+                             f"trainer holds two buckets and every engine one; use at most 8 GiB (default 64 MiB)")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"SyncConfig.metrics_port={self.metrics_port} must be a TCP port 0..65535 (0: a free one) "
+                             f"or None")
         if not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
             raise ValueError(f"SyncConfig.timeout_s={self.timeout_s} must be a finite number of seconds > 0")
         from sync_service.factor_stream.choose import FactorPolicy
@@ -96,12 +108,17 @@ class SyncConfig:
             check_secret(self.secret, "SyncConfig.secret")
 
 
+MAX_BUCKET_BYTES = 8 << 30
+"""Largest ``SyncConfig.bucket_bytes``: 8 GiB, checkpoint-engine's largest bucket (buckets are double
+buffered per trainer in RAM or /dev/shm; beyond this a bucket only costs memory)."""
+
 # field → allowed kinds (``None`` allows None); bool is never accepted for int fields. ``secret``
 # is checked by ``check_secret`` (its value is never printed).
 _FIELD_TYPES: dict[str, tuple] = {
     "bucket_bytes": (int,), "transport": (str,), "timeout_s": (int, float), "check_finite": (bool,),
     "delta": (bool,), "max_in_flight": (int,), "max_staleness": (int,),
     "mode": (str,), "factor_memory_bytes": (int, None), "experts_per_recipe": (int,),
+    "metrics_port": (int, None), "metrics_host": (str,),
 }
 
 
@@ -161,6 +178,32 @@ class WeightSync:
         self._in_flight = 0
         self._count_lock = threading.Lock()
         self._latest: int | None = None
+        self.telemetry = None  # sync_service.telemetry.SyncTelemetry, from the first serve_metrics on
+        if self.config.metrics_port is not None:
+            try:
+                self.serve_metrics(self.config.metrics_port, self.config.metrics_host)
+            except BaseException:
+                self.close()
+                raise
+
+    def serve_metrics(self, port: int = 0, host: str = "127.0.0.1") -> int:
+        """Count every later push in Prometheus metrics (``sync_service/telemetry.py``) and serve them on
+        ``host:port/metrics`` until ``close()``; 0 picks a free port. Returns the bound port.
+
+        Raises:
+            OSError: the port is taken. RuntimeError: already serving.
+        """
+        from sync_service.telemetry import SyncTelemetry
+
+        if self.telemetry is None:
+            self.telemetry = SyncTelemetry(versions=lambda: self._coordinator.versions.snapshot(),
+                                           latest=lambda: self._latest)
+        return self.telemetry.serve(port, host)
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The port Prometheus metrics are served on, ``None`` when not serving."""
+        return None if self.telemetry is None else self.telemetry.port
 
     def push(self, version: int) -> SyncMetrics:
         """Snapshot, stream and commit ``version`` on every engine; blocks. Raises SyncError."""
@@ -189,7 +232,7 @@ class WeightSync:
             t1 = time.perf_counter()
             try:
                 changed = self._coordinator.snapshot(version)
-                future = self._pool.submit(self._coordinator.transfer, version, changed if self.config.delta else None)
+                future = self._pool.submit(self._transfer, version, changed if self.config.delta else None)
             except BaseException:
                 self._slots.release()
                 raise
@@ -198,6 +241,19 @@ class WeightSync:
             self._latest = version
             future.add_done_callback(self._push_done)
             return PushHandle(version, future, backpressure_s=t1 - t0, snapshot_s=time.perf_counter() - t1)
+
+    def _transfer(self, version: int, changed: frozenset[str] | None) -> SyncMetrics:
+        """``Coordinator.transfer``, counted in ``telemetry`` (when served) before the push's future completes."""
+        telemetry = self.telemetry
+        try:
+            metrics = self._coordinator.transfer(version, changed)
+        except BaseException as exc:
+            if telemetry is not None:
+                telemetry.record_failure(exc)
+            raise
+        if telemetry is not None:
+            telemetry.record(metrics)
+        return metrics
 
     def _push_done(self, _future: concurrent.futures.Future) -> None:
         with self._count_lock:
@@ -279,4 +335,6 @@ class WeightSync:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        if self.telemetry is not None:
+            self.telemetry.close()
         self._coordinator.close()

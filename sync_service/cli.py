@@ -2,13 +2,21 @@
 
 Each sub-command module exposes ``add_arguments(parser: argparse.ArgumentParser) -> None`` and
 ``run(args: argparse.Namespace) -> int``. Lazy import keeps ``weightsync merge`` free of Ray.
+
+Errors: every failure ends in one line on stderr, ``weightsync <command>: error: <message>`` — no
+traceback, no colour codes (``--traceback`` shows the traceback) — and the exit status says which
+kind it was (``EXIT_CODES``): 2 bad input (flags, files, configs: nothing was changed), 1 a runtime
+failure (a push failed, an actor died, a timeout, verification failed), 130 interrupted.
+An error raised inside a Ray actor is unwrapped to its cause and named with the actor.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
+from typing import NoReturn
 
 # sub-command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -19,20 +27,114 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("sync_service.run_cli", "place trainers and engines on a Ray cluster by resources (--config FILE), sync, verify"),
 }
 
+EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED = 2, 1, 130
+
+# (module, class) -> exit status; first match wins. A class is looked up only when its module is
+# already imported (an error of a module never loaded cannot have been raised), so this table
+# imports nothing (``weightsync merge`` stays free of Ray).
+EXIT_CODES: tuple[tuple[str, str, int], ...] = (
+    ("sync_service.coordinator.metrics", "SyncError", EXIT_FAILED),
+    ("builtins", "TimeoutError", EXIT_FAILED),
+    ("sync_service.merge.errors", "MergeError", EXIT_BAD_INPUT),
+    ("sync_service.deploy_config", "ConfigError", EXIT_BAD_INPUT),
+    ("sync_service.coordinator.planning", "PlanMismatchError", EXIT_BAD_INPUT),
+    ("builtins", "ValueError", EXIT_BAD_INPUT),
+    ("builtins", "FileNotFoundError", EXIT_BAD_INPUT),
+    ("builtins", "NotADirectoryError", EXIT_BAD_INPUT),
+    ("builtins", "PermissionError", EXIT_BAD_INPUT),
+)
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+_RAY_CALL = re.compile(r"ray::([\w.]+)\(\)")
+_PID = re.compile(r"\s*\(pid=\d+.*\)\s*$")  # Ray's "(pid=…, ip=…, actor_id=…, repr=…)" after a call
+MAX_MESSAGE_CHARS = 2000
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with the one-line error of every other weightsync error (no usage block)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="weightsync", description=__doc__.splitlines()[0])
+    """The ``weightsync`` parser. ``allow_abbrev=False`` everywhere: a flag is matched only when
+    spelled out (``--engine`` is never read as ``--engines``)."""
+    parser = Parser(prog="weightsync", description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("--traceback", action="store_true", help="on an error, show the full traceback")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in COMMANDS.items():
-        sp = sub.add_parser(name, help=help_text)
+        sp = sub.add_parser(name, help=help_text, allow_abbrev=False)
         sp.set_defaults(_module=module)
         importlib.import_module(module).add_arguments(sp)
     return parser
 
 
+def _unwrap(exc: BaseException) -> tuple[BaseException, str]:
+    """(the error to report, the Ray call that raised it, e.g. ``RolloutEngine.receive``): a Ray
+    task error becomes its cause (repeatedly, for an actor that called another)."""
+    task_error = getattr(sys.modules.get("ray.exceptions"), "RayTaskError", None)
+    where = ""
+    while task_error is not None and isinstance(exc, task_error) and getattr(exc, "cause", None) is not None:
+        call = _RAY_CALL.search(_ANSI.sub("", str(exc)))
+        where = call.group(1) if call else where
+        exc = exc.cause
+    return exc, where
+
+
+def one_line(text: str) -> str:
+    """``text`` as one line: no colour codes, no traceback frames (``File …`` + code + ``^^^``), no
+    Ray process details; its other lines joined by "; "; at most ``MAX_MESSAGE_CHARS``."""
+    out: list[str] = []
+    after_frame = False
+    for raw in _ANSI.sub("", text).splitlines():
+        line = _PID.sub("", raw).strip()
+        frame_code, after_frame = after_frame and raw[:1].isspace(), line.startswith('File "')
+        if not line or after_frame or frame_code or line.startswith("Traceback (") or not line.strip("^~ "):
+            continue
+        out.append(line)
+    text = "; ".join(out)
+    return text if len(text) <= MAX_MESSAGE_CHARS else text[:MAX_MESSAGE_CHARS] + "…"
+
+
+def exit_code(exc: BaseException) -> int | None:
+    """The exit status ``EXIT_CODES`` gives ``exc``; ``None`` for an error of no listed kind."""
+    for module, name, code in EXIT_CODES:
+        cls = getattr(sys.modules.get(module), name, None)
+        if isinstance(cls, type) and isinstance(exc, cls):
+            return code
+    return None
+
+
+def describe(exc: BaseException) -> tuple[str, int]:
+    """(one-line message, exit status) of an error that ended a command; an error of no listed kind
+    is named by its type and exits 1."""
+    cause, where = _unwrap(exc)
+    text = one_line(str(cause)) or "(no message)"
+    code = exit_code(cause)
+    if code is None:
+        text, code = f"{type(cause).__name__}: {text}", EXIT_FAILED
+    return (f"{where}: {text}" if where else text), code
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(importlib.import_module(args._module).run(args) or 0)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # name the sub-command, as its own errors do
+        parser.exit(EXIT_BAD_INPUT, f"weightsync {args.command}: error: unrecognized arguments: {' '.join(unknown)} "
+                                    f"(see weightsync {args.command} --help)\n")
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except KeyboardInterrupt:
+        print(f"weightsync {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:
+        if args.traceback:
+            raise
+        message, code = describe(exc)
+        hint = "" if code == EXIT_BAD_INPUT else " (--traceback shows where)"
+        print(f"weightsync {args.command}: error: {message}{hint}", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

