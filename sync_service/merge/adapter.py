@@ -78,4 +78,7 @@ def load_adapter(
         hint = " (adapter_model.bin is pickled and is never loaded here)" if (adapter_dir / "adapter_model.bin").exists() else ""
         raise MergeError(f"{adapter_dir}: no adapter_model.safetensors{hint}; save the adapter with safe_serialization=True")
     state_dict = read_safetensors(weights, load_file)
-    return adapter_from_state_dict(peft_config, state_dict, layout, base_metas, tied_aliases=tied_aliases)
+    try:
+        return adapter_from_state_dict(peft_config, state_dict, layout, base_metas, tied_aliases=tied_aliases)
+    except MergeError as exc:
+        raise MergeError(f"{adapter_dir}: {exc}") from None

@@ -1,8 +1,11 @@
 """PEFT adapter keys → ``LoraTerm``s (the rules of PEFT 0.21, ``tuners/lora``).
 
 Key forms (``base_model.model.`` prefix stripped, adapter name already dropped by PEFT):
-- dense: ``<module>.lora_A.weight`` [r, in], ``<module>.lora_B.weight`` [out, r]; ΔW = s·B@A
-  (``fan_in_fan_out``: W is [in, out], ΔW transposed). DoRA adds ``<module>.lora_magnitude_vector`` [out].
+- dense: ``<module>.lora_A.weight`` [r, in], ``<module>.lora_B.weight`` [out, r]; ΔW = s·B@A.
+  ``fan_in_fan_out`` is ignored: PEFT honours it only on ``Conv1D`` targets (GPT-2 style) and resets it
+  to False, with a warning, on ``nn.Linear`` (``tuners/lora/layer.py`` ``dispatch_default``); every
+  dense target of the supported families is an ``nn.Linear``. On ``target_parameters`` PEFT refuses it
+  (``ParamWrapper``), and so does this module. DoRA adds ``<module>.lora_magnitude_vector`` [out].
 - embedding: ``<module>.lora_embedding_A`` [r, V], ``<module>.lora_embedding_B`` [H, r]; ΔW = s·(B@A)ᵀ.
 - ``target_parameters`` on 3D experts: ``<experts>(.base_layer)*k.lora_{A,B}.weight``; the targeted
   parameters nest in registration order, the first innermost (most ``base_layer``s).
@@ -27,6 +30,7 @@ from protocols.params import FLOAT_DTYPES, ParamMeta
 from sync_service.merge.errors import MergeError
 from sync_service.merge.finite import all_finite
 from sync_service.merge.layouts import FamilyLayout
+from sync_service.merge.targets import target_pieces
 from sync_service.merge.terms import LoraAdapter, LoraTerm, sel_len
 
 _PREFIX = "base_model.model."
@@ -115,7 +119,9 @@ def normalise(config, state_dict, layout: FamilyLayout, base_metas, tied: dict[s
     out = LoraAdapter()
     ctx = _Ctx(config, layout, metas, tied, out)
     for module, parts in modules.items():
-        ctx.module(module, parts)
+        ctx.module(module, parts)  # each LoRA module must be selected by the adapter_config (check_targeted)
+    if not modules:
+        ctx.check_targets_exist()
     for name, t in plain.items():
         ctx.replacement(name, t)
     return out
@@ -155,6 +161,36 @@ class _Ctx:
         """``key`` (``<module>.<param>``) is selected by ``target_parameters`` (PEFT's suffix rule)."""
         return any(key == t or key.endswith("." + t) for t in getattr(self.config, "target_parameters", None) or [])
 
+    def _module_names(self):
+        """Every module name the base has, in memory naming and as on disk (per-expert legacy modules)."""
+        for meta in self.metas.values():
+            for piece in target_pieces("hf", meta.name, meta.shape, self.layout):
+                yield piece.name.rpartition(".")[0]
+            yield meta.name.rpartition(".")[0]
+        for alias in self.tied:
+            yield alias.rpartition(".")[0]
+
+    def check_targets_exist(self) -> None:
+        """PEFT's loader refuses an adapter_config whose ``target_modules`` and ``target_parameters``
+        select nothing in the base (``NoMatchingPeftModuleError``, ``tuners_utils.inject_adapter``); so do we."""
+        from peft.tuners.tuners_utils import check_target_module_exists
+
+        modules = getattr(self.config, "target_modules", None)
+        parameters = getattr(self.config, "target_parameters", None) or []
+        if (modules is None and not parameters) or modules in ("all-linear", "dummy-target-modules"):
+            return  # nothing to check (PEFT fills in defaults / expands these itself)
+        if parameters and any(self.by_parameter(name) for name in list(self.metas) + list(self.tied)):
+            return
+        if modules and any(check_target_module_exists(self.config, m) for m in self._module_names()):
+            return
+        example = next((m for m in self._module_names() if m.endswith("proj")), "q_proj")
+        raise MergeError(
+            f"adapter_config target_modules {modules!r} / target_parameters {parameters!r} select no module or "
+            f"parameter of the base (PEFT's loader refuses it too: 'Target modules not found in the base model'); "
+            f"the adapter was made for another model — fix target_modules to this base's module names "
+            f"(e.g. {example.rpartition('.')[2]!r}, as in {example})"
+        )
+
     def check_targeted(self, module: str) -> None:
         """The adapter_config must select ``module`` (PEFT's own ``check_target_module_exists``), or
         its weight through ``target_parameters`` (a 2D parameter, e.g. a router that is no nn.Linear)."""
@@ -172,7 +208,11 @@ class _Ctx:
         meta = self.metas[target]
         _check_float_base(module, meta)
         # a 2D ParamWrapper (target_parameters) resolves patterns on "<module>.weight", a module on "<module>"
-        r, s = _scaling(self.config, module + ".weight" if self.by_parameter(module + ".weight") else module)
+        by_parameter = self.by_parameter(module + ".weight")
+        if by_parameter and getattr(self.config, "fan_in_fan_out", False):
+            raise MergeError(f"adapter module {module}: adapter_config fan_in_fan_out=true does not work with "
+                             f"target_parameters (PEFT's ParamWrapper refuses it too); set fan_in_fan_out to false")
+        r, s = _scaling(self.config, module + ".weight" if by_parameter else module)
         if "lora_embedding_A" in parts:
             a, b = _check_pair(module, parts, "lora_embedding_A", "lora_embedding_B", self.out.derived)
             x, y = a.T, b.T  # ΔW [V, H] = (B@A)ᵀ
@@ -180,7 +220,7 @@ class _Ctx:
                 raise MergeError(f"adapter module {module}: DoRA on embeddings is not supported")
         else:
             a, b = _check_pair(module, parts, "lora_A.weight", "lora_B.weight", self.out.derived)
-            x, y = (a.T, b.T) if self.config.fan_in_fan_out else (b, a)
+            x, y = b, a  # fan_in_fan_out ignored on nn.Linear, as PEFT does (module docstring)
         if len(meta.shape) != 2 or x.shape[0] != meta.shape[0] or y.shape[1] != meta.shape[1] or x.shape[1] != r or y.shape[0] != r:
             raise MergeError(
                 f"adapter module {module}: LoRA factors A {list(a.shape)}, B {list(b.shape)} (r={r}) do not fit "
@@ -194,7 +234,7 @@ class _Ctx:
             m = _acc(parts["lora_magnitude_vector"], self.out.derived).reshape(-1)
             if not all_finite(m):
                 raise MergeError(f"adapter key {module}.lora_magnitude_vector: holds NaN or Inf values; the adapter is corrupt")
-            if self.config.fan_in_fan_out or m.numel() != meta.shape[0]:
+            if m.numel() != meta.shape[0]:
                 raise MergeError(f"adapter module {module}: DoRA magnitude {list(m.shape)} does not fit {target} {list(meta.shape)}")
             self.out.dora_magnitudes[target] = m
 
@@ -208,6 +248,9 @@ class _Ctx:
     def target_parameter(self, module: str, experts: str, parts: dict[str, torch.Tensor]) -> None:
         if "lora_magnitude_vector" in parts:
             raise MergeError(f"adapter module {module}: DoRA is not defined for target_parameters (PEFT ParamWrapper)")
+        if getattr(self.config, "fan_in_fan_out", False):
+            raise MergeError(f"adapter module {module}: adapter_config fan_in_fan_out=true does not work with "
+                             f"target_parameters (PEFT's ParamWrapper refuses it too); set fan_in_fan_out to false")
         lay = self.layout
         targets = list(getattr(self.config, "target_parameters", None) or [])
         chosen = [p for p in lay.expert_params if self.by_parameter(f"{experts}.{p}")]
@@ -263,7 +306,10 @@ class _Ctx:
 
     def replacement(self, name: str, t: torch.Tensor) -> None:
         # PEFT saves targeted embedding layers as <module>.base_layer.weight and loads them as the base
-        target = self.resolve(name.replace(".base_layer.", "."))
+        plain = self.layout.from_disk(name.replace(".base_layer.", "."))
+        if not name.endswith(".base_layer.weight") and self.untie(plain, t):
+            return
+        target = self.resolve(plain)
         if target is None:
             raise MergeError(
                 f"adapter key {name} matches no base tensor; a modules_to_save copy must name a base "
@@ -272,3 +318,18 @@ class _Ctx:
         if tuple(t.shape) != self.metas[target].shape:
             raise MergeError(f"adapter key {name}: shape {list(t.shape)} != base {target} {list(self.metas[target].shape)}")
         self.out.replacements[target] = t
+
+    def untie(self, name: str, t: torch.Tensor) -> bool:
+        """A modules_to_save copy of either tensor of a tied pair: PEFT wraps only that module, so
+        ``merge_and_unload`` leaves the pair untied (the copy on one side, the base values on the
+        other). Records the copy under its own name and the pair in ``untied``; False if not tied."""
+        kept_of = {kept: alias for alias, kept in self.tied.items()}
+        alias = name if name in self.tied else kept_of.get(name)
+        if alias is None:
+            return False
+        kept = self.tied[alias]
+        if tuple(t.shape) != self.metas[kept].shape:
+            raise MergeError(f"adapter key {name}: shape {list(t.shape)} != base {kept} {list(self.metas[kept].shape)}")
+        self.out.replacements[name] = t
+        self.out.untied[alias] = kept
+        return True

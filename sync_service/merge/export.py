@@ -84,12 +84,19 @@ def _padded(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
-def _write_config(base_dir: Path, out: Path, dtype: str | None) -> None:
+def _write_config(base_dir: Path, out: Path, dtype: str | None, untied: bool) -> None:
+    """The base's config.json with ``dtype`` set, and ``tie_word_embeddings`` false when the adapter
+    untied the embeddings (where the base config has the flag: top level or ``text_config``)."""
     config = read_json_object(base_dir / "config.json")
     if dtype is not None:
         for key in ("dtype", "torch_dtype"):
             if key in config or key == "dtype":
                 config[key] = dtype
+    if untied:
+        for cfg in (config, config.get("text_config")):
+            if isinstance(cfg, dict) and cfg.get("tie_word_embeddings"):
+                cfg["tie_word_embeddings"] = False
+        config["tie_word_embeddings"] = False
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     for name in _COPIED:
         if (base_dir / name).is_file():
@@ -102,6 +109,21 @@ def _progress(total: int, enabled: bool | None):
     if enabled is None:
         enabled = sys.stderr.isatty()
     return tqdm(total=total, unit="tensor", desc="merge", disable=not enabled)
+
+
+def _check_arguments(target: str, dtype: str | None, max_shard_bytes: int, staging_bytes: int, out_dir: Path) -> None:
+    """The options and ``out_dir`` of ``merge_checkpoint``; raises ``MergeError`` naming the flag."""
+    if target not in TARGETS:
+        raise MergeError(f"unknown --target {target!r}; known: {', '.join(sorted(TARGETS))}")
+    if dtype is not None and dtype not in _FLOAT_DTYPES:
+        raise MergeError(f"--dtype {dtype!r} not supported; use one of {', '.join(_FLOAT_DTYPES)}")
+    if max_shard_bytes <= 0:
+        raise MergeError(f"--max-shard-size must be positive, got {max_shard_bytes} bytes")
+    if staging_bytes < MIN_STAGING_BYTES:
+        raise MergeError(f"--staging-size must be at least {MIN_STAGING_BYTES} bytes, got {staging_bytes}; use e.g. 64MiB")
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise MergeError(f"--out {out_dir} exists and is not an empty directory; remove it or choose another path")
+    _check_out_parent(out_dir)
 
 
 def merge_checkpoint(
@@ -127,36 +149,43 @@ def merge_checkpoint(
 
     Returns:
         ``{"tensors": n, "bytes": total, "shards": k, "seconds": t, "setup_seconds": t0, "changed": c}``:
-        ``seconds`` is the whole call, ``setup_seconds`` its validation and adapter loading (which
-        imports PEFT, seconds on a cold start) before the first shard is merged.
+        ``tensors`` and ``changed`` count tensors as written to disk (``changed``: those the adapter
+        alters, e.g. every per-expert key of a fused expert tensor with LoRA); ``seconds`` is the whole
+        call, ``setup_seconds`` its validation and adapter loading (which imports PEFT, seconds on a
+        cold start) before the first shard is merged.
 
     Raises:
-        MergeError: any bad input (nothing is written), or ``out_dir`` exists and is not empty.
+        MergeError: any bad input, or ``out_dir`` exists and is not empty, or a merged value is NaN
+            or ±Inf (also an overflow of ``dtype``); nothing is left at ``out_dir`` then.
     """
     t0 = time.perf_counter()
     base_dir, adapter_dir, out_dir = Path(base_dir), Path(adapter_dir), Path(out_dir)
-    if target not in TARGETS:
-        raise MergeError(f"unknown --target {target!r}; known: {', '.join(sorted(TARGETS))}")
-    if dtype is not None and dtype not in _FLOAT_DTYPES:
-        raise MergeError(f"--dtype {dtype!r} not supported; use one of {', '.join(_FLOAT_DTYPES)}")
-    if max_shard_bytes <= 0:
-        raise MergeError(f"--max-shard-size must be positive, got {max_shard_bytes} bytes")
-    if staging_bytes < MIN_STAGING_BYTES:
-        raise MergeError(f"--staging-size must be at least {MIN_STAGING_BYTES} bytes, got {staging_bytes}; use e.g. 64MiB")
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise MergeError(f"--out {out_dir} exists and is not an empty directory; remove it or choose another path")
-    _check_out_parent(out_dir)
+    _check_arguments(target, dtype, max_shard_bytes, staging_bytes, out_dir)
     base = SafetensorsBase(base_dir)
     adapter = load_adapter(adapter_dir, base.layout, base.metas(), tied_aliases=base.tied_aliases)
-    source = MergedSource(base, adapter, config=MergeConfig(out_dtype=dtype, staging_bytes=staging_bytes))
+    config = MergeConfig(out_dtype=dtype, staging_bytes=staging_bytes, check_finite=True)
+    source = MergedSource(base, adapter, config=config)
     shards = _plan_shards(source, target, max_shard_bytes)
     setup_s = time.perf_counter() - t0
+    total = _write_output(source, target, shards, base_dir, out_dir, dtype, progress)
+    pieces = [(name, piece) for shard in shards for name, piece in shard]
+    return {"tensors": len(pieces), "bytes": total, "shards": len(shards), "seconds": time.perf_counter() - t0,
+            "setup_seconds": setup_s, "changed": sum(source.touches(name, piece.box) for name, piece in pieces)}
 
+
+def _write_output(source: MergedSource, target: str, shards: list[list[tuple[str, Piece]]], base_dir: Path,
+                  out_dir: Path, dtype: str | None, progress: bool | None) -> int:
+    """Write shards + config into a temporary sibling of ``out_dir``, then rename it to ``out_dir``.
+    On any failure the temporary directory and the parents this call created are removed. Returns bytes."""
+    created = out_dir.absolute().parent
+    while not created.parent.exists():
+        created = created.parent
+    made_parents = not created.exists()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         total = _write_shards(source, target, shards, tmp, progress)
-        _write_config(base_dir, tmp, dtype)
+        _write_config(base_dir, tmp, dtype, bool(source.adapter.untied))
         umask = os.umask(0)
         os.umask(umask)
         tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700; the output is an ordinary directory
@@ -164,11 +193,9 @@ def merge_checkpoint(
             out_dir.rmdir()
         tmp.rename(out_dir)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(created if made_parents else tmp, ignore_errors=True)
         raise
-    n = sum(len(s) for s in shards)
-    return {"tensors": n, "bytes": total, "shards": len(shards), "seconds": time.perf_counter() - t0,
-            "setup_seconds": setup_s, "changed": len(source.changed_names())}
+    return total
 
 
 def _write_shards(source: MergedSource, target: str, shards: list[list[tuple[str, Piece]]], out: Path, progress) -> int:

@@ -40,6 +40,20 @@ class MergeConfig:
     """Raise ``MergeError`` naming the tensor when a merged value is NaN or Inf (costs one pass)."""
 
 
+def _check_untied_owned(adapter: LoraAdapter, owned: Sequence[ParamMeta]) -> None:
+    """Boxes owned for a sync come from the engines' parameter table; an engine loaded from a tied
+    base holds one tensor for a tied pair and cannot take the separate tensor the adapter needs."""
+    names = {m.name for m in owned}
+    for alias, kept in adapter.untied.items():
+        if alias not in names and kept in names:
+            raise MergeError(
+                f"the adapter's modules_to_save replaces one of {alias} / {kept}, which the base ties "
+                f"(tie_word_embeddings): the merged model unties them, as PEFT's merge_and_unload does, but "
+                f"trainers and engines loaded from the tied base hold one tensor for both; start them from "
+                f"an untied copy of the base (a separate {alias} = {kept}, tie_word_embeddings false)"
+            )
+
+
 def _inside(box: Box, outer: Box) -> bool:
     return len(box) == len(outer) and all(oa <= a <= b <= ob for (a, b), (oa, ob) in zip(box, outer))
 
@@ -75,10 +89,14 @@ class MergedSource:
         self.config = config
         self.layout = layout or getattr(base, "layout", None)
         self._base_metas = {m.name: m for m in base.metas()}
+        for alias, kept in self.adapter.untied.items():  # a tied alias the adapter unties is a tensor of its own
+            self._base_metas[alias] = ParamMeta(alias, self._base_metas[kept].dtype, self._base_metas[kept].shape)
         if config.out_dtype is not None and not hasattr(torch, config.out_dtype):
             raise MergeError(f"MergeConfig.out_dtype {config.out_dtype!r} is not a torch dtype name (e.g. 'bfloat16')")
         if owned is None:
             owned = [ParamMeta(m.name, config.out_dtype or m.dtype, m.shape) for m in self._base_metas.values()]
+        else:
+            _check_untied_owned(self.adapter, owned)
         self._owned = list(owned)
         self._boxes: dict[str, list[Box]] = {}
         self._dtypes: dict[str, str] = {}
@@ -145,8 +163,8 @@ class MergedSource:
             scratch = self._scratch.view(box_shape(sub), base.device, base.dtype)
             scratch.copy_(base)
             apply_parts(scratch, parts)
-            self._check(name, scratch)
             view.copy_(scratch)
+            self._check(name, view, scratch)
 
     def _fill_dora(self, name: str, box: Box, out: torch.Tensor) -> None:
         """DoRA (2D): rows of ``box`` scaled by m / ‖W + ΔW‖ over the whole row (PEFT ``dora.py``)."""
@@ -161,8 +179,9 @@ class MergedSource:
         for sub in self._chunks(name, box):
             scratch = self._merged(name, sub, terms)
             scratch.mul_(factor[sub[0][0] - r0: sub[0][1] - r0].to(scratch.device, scratch.dtype).unsqueeze(1))
-            self._check(name, scratch)
-            out[_rel(sub, box)].copy_(scratch)
+            view = out[_rel(sub, box)]
+            view.copy_(scratch)
+            self._check(name, view, scratch)
 
     def _chunks(self, name: str, box: Box):
         itemsize = 8 if self._base_metas[name].dtype == "float64" else 4
@@ -177,15 +196,30 @@ class MergedSource:
         return scratch
 
     def _read_base(self, name: str, box: Box) -> torch.Tensor:
-        """The base values of ``box``: a modules_to_save replacement when the adapter has one."""
+        """The base values of ``box``: a modules_to_save replacement when the adapter has one
+        (an untied alias without one reads the tensor it was tied to)."""
         replacement = self.adapter.replacements.get(name)
         if replacement is not None:
             return replacement[tuple(slice(a, b) for a, b in box)]
-        return self.base.read(name, box)
+        return self.base.read(self.adapter.untied.get(name, name), box)
 
-    def _check(self, name: str, values: torch.Tensor) -> None:
-        if self.config.check_finite and not all_finite(values):
-            raise MergeError(f"merged {name} has NaN or Inf values; check the adapter factors and the base")
+    def _check(self, name: str, values: torch.Tensor, accumulated: torch.Tensor | None = None) -> None:
+        """With ``check_finite``: ``values`` (as written, in the output dtype) must be finite; when the
+        fp32 ``accumulated`` values they were cast from are finite, the cast overflowed the dtype."""
+        if not self.config.check_finite or all_finite(values):
+            return
+        if accumulated is not None and all_finite(accumulated):
+            limit = torch.finfo(values.dtype).max
+            raise MergeError(f"merged {name} overflows {str(values.dtype).removeprefix('torch.')} (|value| > {limit:g} "
+                             f"becomes Inf); check the adapter's scaling (lora_alpha / r) or merge to a wider dtype")
+        raise MergeError(f"merged {name} has NaN or Inf values; check the adapter factors and the base")
+
+    def touches(self, name: str, box: Box) -> bool:
+        """Whether the adapter changes any value of ``box`` of ``name`` (a term, DoRA or a replacement)."""
+        adapter = self.adapter
+        if name in adapter.replacements or name in adapter.dora_magnitudes:
+            return True
+        return bool(term_parts(adapter.terms.get(name, ()), box))
 
     def iter_tensors(self, target: str = "hf-fused") -> Iterator[tuple[str, torch.Tensor]]:
         """Whole merged tensors in layer order, in naming ``target`` (see ``targets.TARGETS``).

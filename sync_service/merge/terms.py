@@ -53,6 +53,10 @@ class LoraAdapter:
         dora_magnitudes: base name → DoRA magnitude m [out] (fp32): the merged tensor is
             ``m / ‖W + ΔW‖_row · (W + ΔW)`` (2D dense tensors only).
         replacements: base name → trained copy (modules_to_save); replaces the base tensor.
+        untied: tied alias → the base tensor it shares (``{"lm_head.weight": "model.embed_tokens.weight"}``)
+            when a modules_to_save copy replaces either of a tied pair: the merged model holds both
+            as separate tensors, the replaced one the trained copy, the other the base values, and
+            ``tie_word_embeddings`` is false — exactly what PEFT's ``merge_and_unload`` leaves.
         derived: ``(copy, source)`` pairs, in creation order: tensors above that are re-laid-out or
             cast copies of a view ``source`` of the state dict normalised (everything else is a view
             of it). ``refresh()`` re-derives them, so a trainer that writes new values into the same
@@ -62,6 +66,7 @@ class LoraAdapter:
     terms: dict[str, list[LoraTerm]] = field(default_factory=dict)
     dora_magnitudes: dict[str, torch.Tensor] = field(default_factory=dict)
     replacements: dict[str, torch.Tensor] = field(default_factory=dict)
+    untied: dict[str, str] = field(default_factory=dict)
     derived: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     def refresh(self) -> None:
@@ -80,4 +85,5 @@ class LoraAdapter:
             terms={n: [t.clone() for t in ts] for n, ts in self.terms.items()},
             dora_magnitudes={n: m.clone() for n, m in self.dora_magnitudes.items()},
             replacements={n: r.clone() for n, r in self.replacements.items()},
+            untied=dict(self.untied),
         )
