@@ -11,7 +11,8 @@ Key forms (``base_model.model.`` prefix stripped, adapter name already dropped b
   parameters nest in registration order, the first innermost (most ``base_layer``s).
   A [r·E, in] rows expert-major (e·r + k), B [out, r·E] columns rank-major (k·E + e):
   Δ[e] = s · B.reshape(out, r, E)[:, :, e] @ A.reshape(E, r, in)[e]. in/out per PEFT: for [E, d1, d2]
-  stored [out, in] per expert (not ``is_transposed``) out = d1, in = d2; for ``is_transposed``
+  stored [out, in] per expert (not ``is_transposed``; PEFT reads the experts module's flag, absent = False,
+  so llama4's [in, out] experts are packed as [d1, d2] too) out = d1, in = d2; for ``is_transposed``
   (gpt_oss) in = d1, out = d2 and the stored Δ[e] is the transpose.
 - legacy per-expert: ``<experts>.N.<gate_proj|up_proj|down_proj|w1|w3|w2>.lora_{A,B}.weight`` trained on
   a pre-fusion model; applied exactly per expert with the adapter's own r and α (rsLoRA honoured).
@@ -266,7 +267,7 @@ class _Ctx:
         num_experts, d1, d2 = meta.shape
         a, b = _check_pair(module, parts, "lora_A.weight", "lora_B.weight", self.out.derived)
         r, s = _scaling(self.config, key)
-        in_f, out_f = (d2, d1) if lay.orientation == "out_in" else (d1, d2)
+        in_f, out_f = (d1, d2) if lay.peft_transposed else (d2, d1)  # PEFT reads the module's is_transposed
         if tuple(a.shape) != (r * num_experts, in_f) or tuple(b.shape) != (out_f, r * num_experts):
             raise MergeError(
                 f"adapter module {module} ({param}): A {list(a.shape)}, B {list(b.shape)} do not fit base "
@@ -274,7 +275,7 @@ class _Ctx:
             )
         a_e = a.reshape(num_experts, r, in_f)  # [E, r, in]
         b_e = b.reshape(out_f, r, num_experts).permute(2, 0, 1)  # [E, out, r]
-        x, y = (b_e, a_e) if lay.orientation == "out_in" else (a_e.transpose(1, 2), b_e.transpose(1, 2))
+        x, y = (a_e.transpose(1, 2), b_e.transpose(1, 2)) if lay.peft_transposed else (b_e, a_e)
         # per-expert contiguous copies of the (small) factors: baddbmm_ runs ~15-30% faster on them
         x, y = (_derive(t.contiguous(), t, self.out.derived) for t in (x, y))
         self.add(meta.name, LoraTerm((0, num_experts), (0, d1, 1), (0, d2, 1), x, y, s))

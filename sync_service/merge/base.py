@@ -7,6 +7,7 @@ provider over a local shard (global boxes → local offsets); keep the protocol 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import mmap
 import re
@@ -23,8 +24,9 @@ from protocols.params import Box, ParamMeta, box_shape, full_box
 from sync_service.dtypes import SAFETENSORS_DTYPES, torch_dtype, wire_dtype
 from sync_service.merge.errors import MergeError
 from sync_service.merge.inputs import read_json_object, read_safetensors
-from sync_service.merge.layouts import FamilyLayout, layout_for
-from sync_service.merge.targets import Piece, target_pieces
+from sync_service.merge.derive import layout_for, memory_shapes
+from sync_service.merge.layouts import FamilyLayout
+from sync_service.merge.targets import Piece, experts_match, target_pieces
 
 def layer_order_key(name: str) -> tuple[int, int, str]:
     """Sort key: embeddings, then decoder layers by index, then the rest (final norm, lm_head)."""
@@ -150,25 +152,48 @@ class SafetensorsBase:
     def _assemble(self, disk: dict[str, tuple[str, str, tuple[int, ...]]]) -> list[ParamMeta]:
         lay = self.layout
         names = "|".join(re.escape(n) for n in lay.per_expert_names)
-        experts_disk = re.escape(lay.to_disk("." + lay.experts_module))
-        pattern = re.compile(rf"(.*){experts_disk}\.(\d+)\.({names})\.weight")
+        pattern = re.compile(rf"(.*)\.{re.escape(lay.experts_module)}\.(\d+)\.({names})\.weight")
         groups: dict[tuple[str, str], dict[int, str]] = defaultdict(dict)
         metas: dict[str, ParamMeta] = {}
+        self._by_memory = {lay.from_disk(key): key for key in disk}
         for key, (file, dtype, shape) in disk.items():
-            m = pattern.fullmatch(key)
+            name = lay.from_disk(key)
+            m = pattern.fullmatch(name)
             if m is None or lay.disk == "fused":
-                name = lay.from_disk(key)
-                metas[name] = ParamMeta(name, dtype, shape)
-                self._plans[name] = [(Piece(key, full_box(shape)), file)]
+                piece = self._stored_piece(name, key, shape)
+                metas[name] = ParamMeta(name, dtype, box_shape(piece.box))
+                self._plans[name] = [(piece, file)]
                 continue
             slot = lay.slot_of(m.group(3))
             param = lay.slot_param(slot)
-            fused = lay.from_disk(m.group(1) + "." + lay.experts_module) + "." + param
+            fused = f"{m.group(1)}.{lay.experts_module}.{param}"
             groups[(fused, param)][int(m.group(2))] = key
         for (fused, param), by_expert in groups.items():
             metas[fused] = self._fused_meta(fused, param, by_expert, disk)
         order = sorted(metas, key=lambda n: layer_order_key(n)[:2])
         return [metas[n] for n in order]
+
+    def _stored_piece(self, name: str, key: str, shape: tuple[int, ...]) -> Piece:
+        """Disk tensor ``key`` as the in-memory tensor ``name``: transposed where the layout says so
+        (``disk_transpose``; ``"by_shape"``: iff its shape differs from the meta model's, as transformers'
+        ``Transpose(check_dims=True)`` decides)."""
+        lay = self.layout
+        match = experts_match(name, lay)
+        if match is None or match[1] not in (lay.gate_up, lay.down) or lay.disk_transpose == "never":
+            return Piece(key, full_box(shape))
+        swapped = (*shape[:-2], shape[-1], shape[-2])
+        if lay.disk_transpose == "by_shape":
+            memory = memory_shapes(self.config).get(name)
+            if shape[-1] == shape[-2] or memory is None:
+                raise MergeError(f"{self.dir}: {key} {list(shape)} of family {lay.family}: its orientation cannot be "
+                                 f"told (transformers transposes iff the shape differs from the model's "
+                                 f"{memory and list(memory)}); re-save the checkpoint with save_pretrained")
+            if tuple(memory) == tuple(shape):
+                return Piece(key, full_box(shape))
+            if tuple(memory) != swapped:
+                raise MergeError(f"{self.dir}: {key} is {list(shape)}; the model of config.json holds {name} "
+                                 f"{list(memory)}")
+        return Piece(key, full_box(swapped), transpose=True)
 
     def _fused_meta(self, fused: str, param: str, by_expert: dict[int, str], disk) -> ParamMeta:
         lay = self.layout
@@ -180,9 +205,12 @@ class SafetensorsBase:
         shape = (num_experts, out_f, in_f) if lay.orientation == "out_in" else (num_experts, in_f, out_f)
         plan = []
         for piece in target_pieces("hf", fused, shape, lay):
-            if piece.name not in disk:
+            # the key as stored: transformers' renamings are not one-to-one (a VL checkpoint may use either prefix)
+            key = self._by_memory.get(lay.from_disk(piece.name), piece.name)
+            if key not in disk:
                 raise MergeError(f"{self.dir}: checkpoint lacks {piece.name} (needed for {fused} {list(shape)})")
-            file, p_dtype, p_shape = disk[piece.name]
+            piece = dataclasses.replace(piece, name=key)
+            file, p_dtype, p_shape = disk[key]
             if p_shape != piece.shape or p_dtype != dtype:
                 raise MergeError(
                     f"{self.dir}: {piece.name} is {p_dtype}{list(p_shape)}, expected {dtype}{list(piece.shape)} "

@@ -1,34 +1,30 @@
-"""Model-family layout tables: fused MoE experts in memory vs on disk.
+"""Model-family layout rows: fused MoE experts in memory vs on disk.
 
 Legend: E experts, H hidden, I expert intermediate. "out"/"in" are a linear map's output and input
 features (``nn.Linear.weight`` is [out, in]).
 
-Every family here keeps, in transformers v5 memory ("hf-fused" naming), one fused 3D tensor per
-expert projection inside ``<layer>.mlp.experts``:
+A ``FamilyLayout`` row is derived, not typed in (``sync_service/merge/derive.py``): from the model
+built on the ``meta`` device from the checkpoint's config (which module holds the experts, its 3D
+parameters in registration order, transformers' ``is_transposed`` / ``is_concatenated`` flags) and
+from transformers' own conversion mapping (``conversion_mapping.get_model_conversion_mapping``:
+``WeightRenaming`` / ``WeightConverter`` with ``MergeModulelist`` / ``Concatenate`` / ``Transpose``),
+run on probe tensors so that the row reproduces exactly what ``save_pretrained`` writes.
 
-- ``orientation="out_in"``: ``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I] (per expert [out, in]);
-  qwen3_moe, qwen2_moe, mixtral, olmoe, deepseek_v3.
+- ``orientation="out_in"``: ``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I] (per expert [out, in]).
 - ``orientation="in_out"``: ``gate_up_proj`` [E, H, 2I], ``down_proj`` [E, I, H] (per expert [in, out],
-  ``x @ W``); gpt_oss (transformers ``use_experts_implementation(is_transposed=True)``).
+  ``x @ W``; gpt_oss, llama4).
+- ``gate_up_order``: ``"concat"`` (gate [0, I), up [I, 2I) on the out axis) or ``"interleaved"``
+  (gate = ``[..., ::2]``, up = ``[..., 1::2]``, gpt_oss).
 
-``gate_up_order`` says where gate and up sit on the out axis of ``gate_up_proj``: ``"concat"`` (gate
-rows [0, I), up rows [I, 2I)) or ``"interleaved"`` (gate = ``[..., ::2]``, up = ``[..., 1::2]``, gpt_oss).
-Orientation and order come from this table, never from shapes (square H == I and narrow experts exist).
-
-On disk (what ``save_pretrained`` writes, from transformers' ``conversion_mapping.py``): per-expert
-``<experts>.N.{gate,up,down}_proj.weight`` [out, in] (``disk="per_expert"``; Mixtral renames ``.mlp.``
-to ``.block_sparse_moe.`` and uses ``w1``/``w3``/``w2``), or the fused tensors under their in-memory
-names (``disk="fused"``, gpt_oss). Names are matched on suffixes, so a language model under a prefix
-(``model.language_model.layers.…`` in a vision-language checkpoint) maps through the same table.
+Orientation and order come from these rows, never from shapes (square H == I and narrow experts exist).
+``HAND_ROWS`` holds the only rows written by hand, each with the reason transformers lacks the information.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
-
-from sync_service.merge.errors import MergeError
+from functools import lru_cache
+from typing import Literal
 
 Slot = Literal["gate", "up", "down"]
 
@@ -38,9 +34,9 @@ class FamilyLayout:
     """One model family's fused-expert layout and its on-disk naming.
 
     Attributes:
-        family: canonical name (a key of ``LAYOUTS``).
-        model_types: ``config.model_type`` values (or a VL model's ``text_config.model_type``) served.
-        experts_module: in-memory path of the experts module inside a decoder layer.
+        family: ``config.model_type`` of the model (a VL model's outer model_type).
+        model_types: ``model_type`` values served (the outer one and its ``text_config``'s).
+        experts_module: in-memory path of the experts module inside a decoder layer (``mlp.experts``).
         gate_up: name of the fused gate/up parameter of the experts module.
         down: name of the fused down parameter of the experts module.
         orientation: ``"out_in"`` (per expert [out, in]) or ``"in_out"`` (per expert [in, out]).
@@ -48,10 +44,20 @@ class FamilyLayout:
         expert_params: the experts module's parameters in registration order (PEFT nests one
             ``ParamWrapper`` per targeted parameter in this order: the first is innermost).
         disk: ``"per_expert"`` (``save_pretrained`` splits experts) or ``"fused"``.
-        disk_renames: ``(in-memory fragment, on-disk fragment)`` pairs applied to whole names.
+        disk_transpose: fused on disk: ``"never"``, ``"always"`` (last two dims swapped on disk) or
+            ``"by_shape"`` (transformers' ``Transpose(check_dims=True)``: a checkpoint may hold either
+            orientation; it is transposed on load iff its shape differs from the in-memory one, and
+            ``save_pretrained`` writes the in-memory orientation).
+        disk_renames: transformers ``WeightRenaming``s as (on-disk pattern, in-memory pattern, scope prefix,
+            base model prefix) in load order, applied by transformers' own ``rename_source_key`` (a scope,
+            e.g. ``language_model`` of a VL model, limits a renaming to the names under it).
         per_expert_names: legacy per-expert module name of each slot (gate, up, down), as on disk
             and in adapters trained on pre-fusion models.
+        peft_transposed: PEFT's ``ParamWrapper`` reads ``is_transposed`` of the experts module: with
+            ``False`` it packs ``target_parameters`` factors as if each expert were [out, in] =
+            [d1, d2], whatever the real orientation (llama4).
         tied_alias: ``(alias, kept)`` name suffixes of tied embeddings: the alias is not stored.
+        source: ``"derived"`` or ``"hand"`` (a ``HAND_ROWS`` row).
     """
 
     family: str
@@ -63,9 +69,12 @@ class FamilyLayout:
     gate_up_order: Literal["concat", "interleaved"] = "concat"
     expert_params: tuple[str, ...] = ("gate_up_proj", "down_proj")
     disk: Literal["per_expert", "fused"] = "per_expert"
-    disk_renames: tuple[tuple[str, str], ...] = ()
+    disk_transpose: Literal["never", "always", "by_shape"] = "never"
+    disk_renames: tuple[tuple[str, str, str | None, str | None], ...] = ()
     per_expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    peft_transposed: bool = False
     tied_alias: tuple[str, str] = ("lm_head.weight", "embed_tokens.weight")
+    source: Literal["derived", "hand"] = "derived"
 
     def slot_param(self, slot: Slot) -> str:
         """The fused parameter holding a slot: gate/up → ``gate_up``, down → ``down``."""
@@ -84,16 +93,20 @@ class FamilyLayout:
         return (0, half, 1) if slot == "gate" else (half, out_features, 1)
 
     def to_disk(self, name: str) -> str:
-        """In-memory name → on-disk name (``disk_renames`` applied)."""
-        for mem, disk in self.disk_renames:
-            name = name.replace(mem, disk)
-        return name
+        """In-memory name → on-disk name (transformers' renamings reversed, as ``save_pretrained``)."""
+        if not self.disk_renames:
+            return name
+        from transformers.core_model_loading import rename_source_key
+
+        return rename_source_key(name, _renamings(self.disk_renames)[1], [], reverse=True)[0]
 
     def from_disk(self, name: str) -> str:
-        """On-disk (or legacy module) name → in-memory name."""
-        for mem, disk in self.disk_renames:
-            name = name.replace(disk, mem)
-        return name
+        """On-disk (or legacy module) name → in-memory name (transformers' renamings, load order)."""
+        if not self.disk_renames:
+            return name
+        from transformers.core_model_loading import rename_source_key
+
+        return rename_source_key(name, _renamings(self.disk_renames)[0], [])[0]
 
     def slot_of(self, per_expert_name: str) -> Slot | None:
         """Legacy per-expert module name (``gate_proj``, Mixtral ``w1``) → slot, or ``None``."""
@@ -103,62 +116,30 @@ class FamilyLayout:
         return None
 
 
-_QWEN_LIKE = dict(orientation="out_in", gate_up_order="concat", disk="per_expert")
+@lru_cache(maxsize=64)
+def _renamings(rows: tuple[tuple[str, str, str | None, str | None], ...]) -> tuple[list, list]:
+    """transformers ``WeightRenaming``s of ``rows`` (load order) and their reverse (save order)."""
+    from transformers.core_model_loading import WeightRenaming
 
-LAYOUTS: dict[str, FamilyLayout] = {
-    layout.family: layout
-    for layout in (
-        FamilyLayout(family="qwen3_moe", model_types=("qwen3_moe",), **_QWEN_LIKE),
-        # shared expert: dense mlp.shared_expert.{gate,up,down}_proj + mlp.shared_expert_gate
-        FamilyLayout(family="qwen2_moe", model_types=("qwen2_moe",), **_QWEN_LIKE),
-        FamilyLayout(family="olmoe", model_types=("olmoe",), **_QWEN_LIKE),
-        # dense first layers mlp.{gate,up,down}_proj, mlp.shared_experts.*, MLA attention
-        FamilyLayout(family="deepseek_v3", model_types=("deepseek_v3",), **_QWEN_LIKE),
-        FamilyLayout(
-            family="mixtral",
-            model_types=("mixtral",),
-            disk_renames=((".mlp.", ".block_sparse_moe."),),
-            per_expert_names=("w1", "w3", "w2"),
-            **_QWEN_LIKE,
-        ),
-        FamilyLayout(
-            family="gpt_oss",
-            model_types=("gpt_oss",),
-            orientation="in_out",
-            gate_up_order="interleaved",
-            expert_params=("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"),
-            disk="fused",
-        ),
-    )
+    forward = []
+    for src, dst, scope, base_prefix in rows:
+        renaming = WeightRenaming(source_patterns=src, target_patterns=dst)
+        renaming.scope_prefix, renaming.base_model_prefix = scope, base_prefix
+        forward.append(renaming)
+    return forward, [r.reverse_transform() for r in forward[::-1]]
+
+
+# Rows transformers cannot derive, keyed by the experts module's class name; each says why.
+HAND_ROWS: dict[str, dict] = {
+    # Llama4TextExperts is not decorated with use_experts_implementation, so it has no is_transposed /
+    # is_concatenated flags; its forward is bmm(x, gate_up_proj) then gate, up = chunk(2, dim=-1):
+    # [E, H, 2I] per expert [in, out], gate block first. transformers has no conversion for llama4:
+    # stored fused on disk as in memory. PEFT reads no is_transposed either (peft_transposed=False).
+    "Llama4TextExperts": dict(orientation="in_out", gate_up_order="concat", peft_transposed=False),
 }
 
-
-def _get(config: Mapping[str, Any] | Any, key: str) -> Any:
-    if isinstance(config, Mapping):
-        return config.get(key)
-    return getattr(config, key, None)
-
-
-def layout_for(config: Mapping[str, Any] | Any) -> FamilyLayout:
-    """The layout of a model config (a ``config.json`` dict or a ``PretrainedConfig``).
-
-    Looks up ``model_type``, then ``text_config.model_type`` (a vision-language model whose language
-    model is one of the families).
-
-    Raises:
-        MergeError: the family is not supported; the message lists the supported families.
-    """
-    tried = []
-    for cfg in (config, _get(config, "text_config")):
-        model_type = _get(cfg, "model_type") if cfg is not None else None
-        if model_type is None:
-            continue
-        tried.append(model_type)
-        for layout in LAYOUTS.values():
-            if model_type in layout.model_types:
-                return layout
-    raise MergeError(
-        f"unsupported model family (model_type {tried or 'missing'}); supported families: "
-        f"{', '.join(sorted(LAYOUTS))}. Add a FamilyLayout row to sync_service/merge/layouts.py "
-        f"for a new family."
-    )
+# Experts classes that override transformers' default ``_apply_gate`` (gate, up = chunk(2, -1)) and whose
+# gate-first order within each pair was read in their source; any other override is refused.
+GATE_FIRST_OVERRIDES: dict[str, str] = {
+    "GptOssExperts": "gate, up = gate_up[..., ::2], gate_up[..., 1::2] (is_concatenated=False)",
+}

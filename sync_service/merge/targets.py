@@ -78,8 +78,10 @@ def _identity(name: str, shape: tuple[int, ...], layout: FamilyLayout) -> list[P
 
 def _hf(name: str, shape: tuple[int, ...], layout: FamilyLayout) -> list[Piece]:
     match = experts_match(name, layout)
-    if match is None or layout.disk == "fused" or match[1] not in (layout.gate_up, layout.down):
+    if match is None or match[1] not in (layout.gate_up, layout.down):
         return [Piece(layout.to_disk(name), full_box(shape))]
+    if layout.disk == "fused":  # "by_shape" families are written in memory orientation, as save_pretrained does
+        return [Piece(layout.to_disk(name), full_box(shape), transpose=layout.disk_transpose == "always")]
     prefix, param = match
     if len(shape) != 3:
         raise MergeError(f"{name}: fused expert tensor must be 3D [E, d1, d2], got shape {list(shape)}")

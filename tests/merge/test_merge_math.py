@@ -11,7 +11,8 @@ from peft import LoraConfig
 from protocols.params import full_box
 from sync_service.merge.adapter import adapter_from_state_dict
 from sync_service.merge.base import TensorDictBase
-from sync_service.merge.layouts import LAYOUTS
+from sync_service.merge.derive import layout_for
+from sync_service.synthetic import build_config
 from sync_service.merge.source import MergeConfig, MergedSource
 
 P = "base_model.model.model.layers.0.mlp.experts"
@@ -21,7 +22,7 @@ DOWN = "model.layers.0.mlp.experts.down_proj"
 
 def merged(family: str, base: dict, config: LoraConfig, adapter_sd: dict, **cfg) -> dict[str, torch.Tensor]:
     provider = TensorDictBase(base)
-    adapter = adapter_from_state_dict(config, adapter_sd, LAYOUTS[family], provider.metas())
+    adapter = adapter_from_state_dict(config, adapter_sd, layout_for(build_config(family)), provider.metas())
     source = MergedSource(provider, adapter, config=MergeConfig(**cfg))
     return dict(source.iter_tensors("hf-fused"))
 
@@ -99,7 +100,7 @@ def test_merge_orientation_from_table_not_shape(h, i):
 @pytest.mark.parametrize("family,shape", [("qwen3_moe", (2, 6, 4)), ("qwen3_moe", (2, 4, 4)), ("gpt_oss", (2, 4, 6)), ("gpt_oss", (2, 4, 4))])
 def test_merge_target_parameters_engine_orientation(family, shape):
     torch.manual_seed(2)
-    orient = LAYOUTS[family].orientation
+    orient = layout_for(build_config(family)).orientation
     out_f, in_f = (shape[1], shape[2]) if orient == "out_in" else (shape[2], shape[1])
     a_e, b_e = torch.randn(2, 1, in_f), torch.randn(2, out_f, 1)
     a, b = pack(a_e, b_e)
@@ -150,7 +151,7 @@ def test_merge_dora_rows_rescaled_box_within_budget():
           "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": b,
           "base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector": mag}
     provider = TensorDictBase({name: w})
-    adapter = adapter_from_state_dict(config, sd, LAYOUTS["qwen3_moe"], provider.metas())
+    adapter = adapter_from_state_dict(config, sd, layout_for(build_config("qwen3_moe")), provider.metas())
     source = MergedSource(provider, adapter, config=MergeConfig(staging_bytes=16))  # 4 fp32: rows cut in pieces
     merged_w = w + 2.0 * b @ a
     expected = (mag / merged_w.norm(dim=1)).unsqueeze(1) * merged_w
@@ -170,8 +171,8 @@ def test_merge_tied_lm_head_lora_lands_on_embeddings():
     a, b = torch.randn(1, 4), torch.randn(16, 1)
     config = LoraConfig(r=1, lora_alpha=1, target_modules=["lm_head"])
     sd = {"base_model.model.lm_head.lora_A.weight": a, "base_model.model.lm_head.lora_B.weight": b}
-    adapter = adapter_from_state_dict(config, sd, LAYOUTS["qwen3_moe"], provider.metas(), tied_aliases=provider.tied_aliases)
-    source = MergedSource(provider, adapter, config=MergeConfig(), layout=LAYOUTS["qwen3_moe"])
+    adapter = adapter_from_state_dict(config, sd, layout_for(build_config("qwen3_moe")), provider.metas(), tied_aliases=provider.tied_aliases)
+    source = MergedSource(provider, adapter, config=MergeConfig(), layout=layout_for(build_config("qwen3_moe")))
     out = dict(source.iter_tensors("hf"))
     assert list(out) == ["model.embed_tokens.weight"]
     torch.testing.assert_close(out["model.embed_tokens.weight"], emb + b @ a)

@@ -13,7 +13,8 @@ from protocols.params import ParamMeta, box_shape, full_box
 from sync_service.merge.adapter import adapter_from_state_dict
 from sync_service.merge.base import TensorDictBase
 from sync_service.merge.errors import MergeError
-from sync_service.merge.layouts import LAYOUTS
+from sync_service.merge.derive import layout_for
+from sync_service.synthetic import build_config
 from sync_service.merge.source import MergeConfig, MergedSource
 
 P = "base_model.model.model.layers.0.mlp.experts"
@@ -24,12 +25,12 @@ def _source(family: str, base: dict, r: int = 2, **cfg) -> MergedSource:
     """target_parameters LoRA on gate_up_proj with random fp32 factors (s = 2)."""
     g = torch.Generator().manual_seed(5)
     num_experts, d1, d2 = base[GU].shape
-    out_f, in_f = (d1, d2) if LAYOUTS[family].orientation == "out_in" else (d2, d1)
+    out_f, in_f = (d1, d2) if layout_for(build_config(family)).orientation == "out_in" else (d2, d1)
     sd = {f"{P}.lora_A.weight": torch.randn(r * num_experts, in_f, generator=g),
           f"{P}.lora_B.weight": torch.randn(out_f, r * num_experts, generator=g)}
     config = LoraConfig(r=r, lora_alpha=2 * r, target_modules=[], target_parameters=["mlp.experts.gate_up_proj"])
     provider = TensorDictBase(base)
-    adapter = adapter_from_state_dict(config, sd, LAYOUTS[family], provider.metas())
+    adapter = adapter_from_state_dict(config, sd, layout_for(build_config(family)), provider.metas())
     return MergedSource(provider, adapter, config=MergeConfig(**cfg))
 
 
