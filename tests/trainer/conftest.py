@@ -1,0 +1,78 @@
+"""Fixtures of the live-trainer tests: checkpoints, engines, two user-owned training ranks, the oracle."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+FAMILIES = ("qwen3_moe", "mixtral")
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory):
+    from sync_service.synthetic import make_base
+
+    root = tmp_path_factory.mktemp("live")
+    return {f: make_base(f, root / f, num_experts=4, num_layers=2, hidden=32) for f in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def ranks(ray_local):
+    from tests.trainer.harness import TrainingRank
+
+    actors = [TrainingRank.remote(r, 2) for r in range(2)]
+    yield actors
+    for a in actors:
+        ray.kill(a)
+
+
+def setup_ranks(ranks, base_dir, mode: str, **attach_kw) -> list:
+    """(Re)build the training job on every rank; the endpoint handles in rank order."""
+    host, port = ray.get(ranks[0].rendezvous.remote())
+    return ray.get([r.setup.remote(host, port, str(base_dir), mode, **attach_kw) for r in ranks], timeout=300)
+
+
+def adapter_of(ranks) -> dict[str, torch.Tensor]:
+    """The trained adapter, gathered from the ranks (a collective on them)."""
+    states = ray.get([r.adapter_state.remote() for r in ranks], timeout=120)
+    return {k: torch.from_numpy(v) for k, v in states[0].items()}
+
+
+def peft_merged(base_dir: Path, adapter: dict[str, torch.Tensor], tmp: Path) -> dict[str, torch.Tensor]:
+    """Oracle: PEFT ``merge_and_unload`` in float64 of base + ``adapter``, cast once to the base dtype;
+    in-memory (hf-fused) names, as the engines hold them."""
+    from safetensors.torch import save_file
+
+    from tests.merge.conftest import base_dtype, peft_merged_model
+    from tests.trainer.harness import lora_config
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    lora_config().save_pretrained(str(tmp))
+    save_file({k: v.contiguous() for k, v in adapter.items()}, str(tmp / "adapter_model.safetensors"))
+    merged = peft_merged_model(base_dir, tmp).to(base_dtype(base_dir))
+    return {k: v.detach() for k, v in merged.state_dict().items()}
+
+
+def assert_engines_hold(engines, oracle: dict[str, torch.Tensor], *, what: str) -> None:
+    """Every engine parameter is within fp32 rounding of the oracle (fp32 accumulate vs float64, cast once)."""
+    for engine in engines:
+        state = ray.get(engine.state.remote(), timeout=120)
+        missing = set(state) ^ set(oracle)
+        assert not missing, f"{what}: names differ {sorted(missing)[:4]}"
+        for name, ref in oracle.items():
+            got = torch.from_numpy(state[name])
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{what}: {n}: {m}")
+
+
+def differs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return any(not torch.equal(a[k], b[k]) for k in a)
+
+
+def max_diff(engine, oracle) -> float:
+    state = ray.get(engine.state.remote(), timeout=120)
+    return max(float(np.abs(state[n] - oracle[n].numpy()).max()) for n in oracle)
