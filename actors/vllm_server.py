@@ -1,0 +1,86 @@
+"""``VLLMServer(url)``: a running vLLM server as a rollout engine of ``WeightSync`` (a thin Ray actor).
+
+    sync = WeightSync(trainers=shards, engines=[VLLMServer("http://127.0.0.1:8000", api_key=KEY)])
+
+The actor holds a ``VLLMServerEngine`` (HTTP calls to the server) and answers the coordinator the
+way ``RolloutEngine`` does; the weights go from the trainers straight into the server's worker.
+If the server is gone (unreachable) during ``receive``, the actor exits, so the coordinator sees a
+dead engine: it drops it and commits the push on the other engines (``SyncMetrics`` names it).
+"""
+
+from __future__ import annotations
+
+import ray
+
+from sync_service.engines.vllm_server import ServerUnreachableError, VLLMServerConfig, VLLMServerEngine
+
+__all__ = ["VLLMServer", "VLLMServerActor"]
+
+
+@ray.remote(num_cpus=0, max_concurrency=4)
+class VLLMServerActor:
+    """``VLLMServerEngine`` behind the ``RolloutEngine`` calls (threaded: liveness checks answer during a push)."""
+
+    def __init__(self, config: VLLMServerConfig) -> None:
+        self.engine = VLLMServerEngine(config)
+
+    def engine_name(self) -> str:
+        return self.engine.engine_name()
+
+    def param_metas(self) -> list[list]:
+        return self.engine.param_metas()
+
+    def weight_version(self) -> int | None:
+        return self.engine.weight_version()
+
+    def can_export(self) -> bool:
+        return False
+
+    def open_transport(self, spec_bytes: bytes, plan_bytes: bytes, receiver: int, *, secret: bytes | None = None) -> None:
+        self.engine.open_transport(spec_bytes, plan_bytes, receiver, secret=secret)
+
+    def close_transport(self) -> None:
+        try:
+            self.engine.close_transport()
+        except ServerUnreachableError:
+            pass  # nothing to close on a server that is gone
+
+    def receive(self, timeout_s: float) -> dict:
+        try:
+            return self.engine.receive(timeout_s)
+        except ServerUnreachableError:
+            ray.actor.exit_actor()  # the coordinator sees this engine dead and goes on without it
+            raise
+
+    def commit(self, version: int) -> None:
+        self.engine.commit(version)
+
+    def abort(self) -> None:
+        self.engine.abort()
+
+    def reset_caches(self) -> None:
+        self.engine.reset_caches()
+
+    def generate(self, prompt_token_ids: list[int], max_new_tokens: int) -> tuple[list[int], int | None]:
+        return self.engine.generate(prompt_token_ids, max_new_tokens)
+
+    def complete(self, prompts: list[list[int]], max_new_tokens: int) -> list[dict]:
+        """Greedy completions: ``{"tokens", "logprobs"}`` per prompt."""
+        return [{"tokens": g.tokens, "logprobs": g.logprobs} for g in self.engine.complete(prompts, max_new_tokens)]
+
+
+def VLLMServer(url: str, *, api_key: str | None = None, name: str | None = None, pause_mode: str = "wait",
+               timeout_s: float = 30.0, actor_options: dict | None = None):
+    """A rollout-engine actor for the vLLM server at ``url`` (``VLLMServerConfig`` fields as keywords).
+
+    Blocks until the server answered (up to ``timeout_s`` + 30 s).
+
+    Raises:
+        ServerUnreachableError / ServerSetupError: as ``VLLMServerEngine`` (e.g. the server was started
+            without ``--weight-transfer-config '{"backend": "weightsync"}'``: the message names the flag).
+    """
+    config = VLLMServerConfig(url=url, api_key=api_key, name=name, pause_mode=pause_mode, timeout_s=timeout_s)
+    VLLMServerEngine(config)  # checks the server here, so a setup error reaches the caller as itself
+    actor = VLLMServerActor.options(**(actor_options or {})).remote(config)
+    ray.get(actor.engine_name.remote(), timeout=timeout_s + 30)
+    return actor

@@ -1,0 +1,208 @@
+"""``VLLMServerEngine``: a running vLLM server as a weightsync rollout engine (coordinator side).
+
+It answers the calls the coordinator makes of every engine (``actors.rollout.RolloutEngine``'s:
+``param_metas``, ``open_transport``, ``receive``, ``commit``, ``abort``, ``weight_version``, ...) by
+calling the server; the bytes never pass through it: trainers stream buckets straight into the
+server's worker (``backend.WeightsyncTransferEngine``) over weightsync's transport.
+
+Channels (docs/vllm.md, "Updating a running vLLM server"):
+
+- vLLM's native weight-transfer routes carry the lifecycle: ``/init_weight_transfer_engine``
+  (channel + plan + session secret, in the body), ``/start_weight_update``, ``/update_weights``
+  (one whole sync), ``/finish_weight_update`` (commit, with ``weight_version``), ``/weight_info``.
+- The acks go where every engine's go: from the worker to the trainers over the transport (the
+  coordinator commits only when every engine acked).
+- vLLM's routes return only a message and have no abort, so the parameter table, the receive
+  stats / error and the abort travel as commands through vLLM's ``/collective_rpc`` to the backend
+  object (``wire``); the abort is authenticated with the session secret.
+
+Atomic versions: ``receive`` first pauses the server (``/pause``, mode ``wait``: running requests
+finish on the served version, new ones wait; or ``abort``), so no request sees two versions; the
+served weights change inside ``/update_weights``; ``commit`` / ``abort`` reset the prefix cache and
+resume. ``PauseMode.KEEP`` is refused: vLLM's "keep" resumes frozen requests on the new weights.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from protocols.interfaces import PauseMode
+from sync_service.engines.vllm_server.client import ServerClient, ServerRequestError, ServerSetupError
+from sync_service.engines.vllm_server.wire import BACKEND, COMMAND_METHOD, InitInfo, command_body
+from sync_service.transports import TransportSpec
+
+__all__ = ["ServerGeneration", "VLLMServerConfig", "VLLMServerEngine"]
+
+BACKEND_FLAG = f"--weight-transfer-config '{{\"backend\": \"{BACKEND}\"}}'"
+
+
+@dataclass(kw_only=True, slots=True)
+class VLLMServerConfig:
+    """How weightsync reaches and updates one vLLM server."""
+
+    url: str
+    """Base URL, e.g. ``http://127.0.0.1:8000``."""
+    api_key: str | None = field(default=None, repr=False)
+    """The server's ``--api-key`` (``None``: none)."""
+    name: str | None = None
+    """Engine name in metrics and errors; ``None``: ``vllm-server@<url>``."""
+    pause_mode: PauseMode = PauseMode.WAIT
+    """``WAIT``: running requests finish on the served version, new ones wait for the commit.
+    ``ABORT``: running requests are aborted. ``KEEP`` is refused (frozen requests would resume on the
+    new weights: one request, two versions)."""
+    timeout_s: float = 30.0
+    """Bound of one control call (table, status, commit, abort), seconds; data calls get the push's."""
+
+    def __post_init__(self) -> None:
+        self.pause_mode = PauseMode(self.pause_mode)
+        if self.pause_mode is PauseMode.KEEP:
+            raise ValueError("pause_mode=KEEP: vLLM resumes kept requests on the new weights (one request, two "
+                             "versions); use WAIT or ABORT")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s={self.timeout_s} must be > 0 seconds")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerGeneration:
+    """One greedy completion: ``tokens`` (ids), ``logprobs`` (natural log, one per token)."""
+
+    tokens: list[int]
+    logprobs: list[float]
+
+
+class VLLMServerEngine:
+    """One vLLM server as a rollout engine (see the module docstring).
+
+    Raises (constructor):
+        ServerUnreachableError: no answer within ``timeout_s``.
+        ServerSetupError: dev routes not mounted, or the server was started without the backend (the
+            message names the flag to add), or with more than one worker.
+    """
+
+    def __init__(self, config: VLLMServerConfig) -> None:
+        self.config = config
+        self.name = config.name or f"vllm-server@{config.url}"
+        self._client = ServerClient(config.url, api_key=config.api_key, timeout_s=config.timeout_s)
+        self._secret: bytes | None = None
+        self._nonce = time.time_ns()  # increasing across handles of one server
+        self._active = False  # a start_weight_update the server has not finished
+        self._model = self._check_server()
+
+    def _check_server(self) -> str:
+        info = self._client.get("/server_info", params={"config_format": "json"})
+        vllm_config = info.get("vllm_config") or {}
+        transfer = vllm_config.get("weight_transfer_config") or {}
+        if transfer.get("backend") != BACKEND:
+            raise ServerSetupError(self.config.url, f"vLLM server {self.config.url} runs without the weightsync "
+                                   f"weight-transfer backend (has {transfer.get('backend')!r}); restart it with "
+                                   f"{BACKEND_FLAG} (weightsync installed in the server's environment)")
+        return str((vllm_config.get("model_config") or {}).get("model", ""))
+
+    # -- the engine calls the coordinator makes ------------------------------------------------
+    def engine_name(self) -> str:
+        return self.name
+
+    def param_metas(self) -> list[list]:
+        """The server worker's own table, ``[name, dtype, shape, None]`` per tensor (hf-fused naming)."""
+        return [[n, d, list(s), None] for n, d, s in self._command("table")]
+
+    def weight_version(self) -> int | None:
+        """The version ``/weight_info`` reports (``None`` before the first commit)."""
+        v = self._client.get("/weight_info").get("weight_version")
+        return int(v) if isinstance(v, (int, str)) and str(v).lstrip("-").isdigit() else None
+
+    def can_export(self) -> bool:
+        return False
+
+    def open_transport(self, spec_bytes: bytes, plan_bytes: bytes, receiver: int, *, secret: bytes | None = None) -> None:
+        """Open the server worker's receiver side (``/init_weight_transfer_engine``; blocks until the
+        trainers connect). The plan is checked there against the worker's table before any byte."""
+        spec = TransportSpec.from_bytes(spec_bytes)
+        self._secret = secret
+        info = InitInfo.make(spec_bytes, plan_bytes, receiver, secret).to_json()
+        self._client.post("/init_weight_transfer_engine", {"init_info": info}, timeout_s=spec.connect_timeout_s + 30)
+
+    def close_transport(self) -> None:
+        self._client.post("/shutdown_weight_transfer_engine")
+
+    def receive(self, timeout_s: float) -> dict:
+        """Pause, then receive one whole sync into the server (staged, reloaded, acked; not committed).
+
+        Raises:
+            ServerRequestError: the sync failed in the server (its error; the server serves the
+                previous version and stays paused until ``abort``); ServerUnreachableError: the
+                server went away.
+        """
+        self._client.post("/pause", params={"mode": self.config.pause_mode.value, "clear_cache": "true"},
+                          timeout_s=timeout_s)
+        self._client.post("/start_weight_update")
+        self._active = True
+        try:
+            self._client.post("/update_weights", {"update_info": {"timeout_s": timeout_s}}, timeout_s=timeout_s + 30)
+        except ServerRequestError as exc:
+            self._active = False  # vLLM ends the update session when update_weights raises
+            error = self._status().get("error")
+            if error:
+                raise type(exc)(self.config.url, f"{self.name}: sync failed in the server: {error}") from None
+            raise
+        received = self._status().get("received") or {}
+        return {"engine": self.name, **{k: received.get(k, 0) for k in (
+            "version", "buckets", "entries", "payload_bytes", "wait_s", "verify_s", "apply_s", "finish_s", "total_s")}}
+
+    def commit(self, version: int) -> None:
+        """``/finish_weight_update`` with ``version``, prefix-cache reset, resume."""
+        self._client.post("/finish_weight_update", {"weight_version": str(version)})
+        self._active = False
+        self._reopen()
+
+    def abort(self) -> None:
+        """Drop the received sync (the server reloads its served version), close vLLM's update, resume."""
+        if self._active:
+            self._command("abort", authenticated=True)
+            self._client.post("/finish_weight_update", {})
+            self._active = False
+        self._reopen()
+
+    def reset_caches(self) -> None:
+        self._client.post("/reset_prefix_cache")
+
+    # -- serving (verification, tests) ---------------------------------------------------------
+    def complete(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[ServerGeneration]:
+        """Greedy ``/v1/completions`` of token-id prompts, with each token's logprob."""
+        out = []
+        for prompt in prompts:
+            body = {"model": self._model, "prompt": list(prompt), "max_tokens": max_new_tokens, "temperature": 0.0,
+                    "logprobs": 0, "return_token_ids": True}
+            choice = self._client.post("/v1/completions", body, timeout_s=self.config.timeout_s * 4)["choices"][0]
+            out.append(ServerGeneration(tokens=list(choice["token_ids"]),
+                                        logprobs=[float(x) for x in choice["logprobs"]["token_logprobs"]]))
+        return out
+
+    def generate(self, prompt_token_ids: list[int], max_new_tokens: int) -> tuple[list[int], int | None]:
+        """Greedy tokens, with the version ``/weight_info`` reports before and after (``None`` if it changed)."""
+        before = self.weight_version()
+        tokens = self.complete([prompt_token_ids], max_new_tokens)[0].tokens
+        return tokens, before if self.weight_version() == before else None
+
+    # -- internals -------------------------------------------------------------------------------
+    def _reopen(self) -> None:
+        self._client.post("/reset_prefix_cache")
+        self._client.post("/resume")
+
+    def _status(self) -> dict:
+        return self._command("status")
+
+    def _command(self, op: str, *, authenticated: bool = False) -> object:
+        body = ""
+        if authenticated:
+            self._nonce += 1
+            body = command_body(self._secret, op, self._nonce)
+        answer = self._client.post("/collective_rpc", {"method": COMMAND_METHOD, "args": [op, body]})
+        results = (answer or {}).get("results") or [None]
+        if len(results) != 1:
+            raise ServerSetupError(self.config.url, f"{self.name}: {len(results)} workers answered; the weightsync "
+                                   "backend serves one worker per server (no tensor/pipeline parallelism)")
+        return results[0]
+

@@ -1,0 +1,104 @@
+"""The vLLM-server engine's wire and HTTP client, without vLLM: init body, command authentication,
+and the errors a user sees for a wrong URL, a server without the RL routes or a wrong API key
+(a real stdlib HTTP server on loopback plays the server)."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+import time
+
+import pytest
+
+from sync_service.engines.vllm_server.client import (
+    ServerClient, ServerRequestError, ServerSetupError, ServerUnreachableError,
+)
+from sync_service.engines.vllm_server.engine import VLLMServerConfig
+from sync_service.engines.vllm_server.launch import free_port
+from sync_service.engines.vllm_server.wire import InitInfo, command_body, verify_command
+
+SECRET = b"k" * 32
+
+
+def test_init_info_round_trip_and_secret_not_in_repr() -> None:
+    info = InitInfo.make(b"spec-bytes", b"plan-bytes", 3, SECRET)
+    back = InitInfo(**json.loads(json.dumps(info.to_json())))
+    assert back.decoded() == (b"spec-bytes", b"plan-bytes", 3, SECRET)
+    assert info.secret not in repr(info) and "secret" not in repr(info)
+    with pytest.raises(ValueError, match="receiver"):
+        InitInfo(spec="", plan="", receiver=-1).decoded()
+    with pytest.raises(ValueError, match="not base64"):
+        InitInfo(spec="@@", plan="", receiver=0).decoded()
+
+
+def test_commands_need_the_session_secret_and_a_fresh_nonce() -> None:
+    body = command_body(SECRET, "abort", 7)
+    assert verify_command(SECRET, "abort", body, 6) == 7
+    with pytest.raises(PermissionError, match="already used"):
+        verify_command(SECRET, "abort", body, 7)
+    with pytest.raises(PermissionError, match="mac"):
+        verify_command(b"x" * 32, "abort", body, 0)
+    with pytest.raises(PermissionError, match="mac"):
+        verify_command(SECRET, "status", body, 0)  # a mac binds its op
+    with pytest.raises(PermissionError, match="no authenticated session"):
+        verify_command(None, "abort", body, 0)
+
+
+def test_unreachable_url_fails_within_the_timeout() -> None:
+    client = ServerClient(f"http://127.0.0.1:{free_port()}", timeout_s=5.0)
+    t0 = time.monotonic()
+    with pytest.raises(ServerUnreachableError, match="unreachable"):
+        client.get("/health")
+    assert time.monotonic() - t0 < 5.0 + 5.0
+    with pytest.raises(ValueError, match="http://"):
+        ServerClient("127.0.0.1:8000")
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802
+        if self.headers.get("Authorization") != "Bearer right":
+            self._answer(401, {"error": "Unauthorized"})
+        elif self.path.startswith("/weight_info"):
+            self._answer(404, {"detail": "Not Found"})
+        else:
+            self._answer(500, {"error": {"message": "boom in the worker"}})
+
+    def _answer(self, status: int, body: dict) -> None:
+        raw = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture()
+def http_server():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_errors_name_the_fix(http_server: str) -> None:
+    with pytest.raises(ServerSetupError, match="--api-key"):
+        ServerClient(http_server, api_key="wrong", timeout_s=10).get("/weight_info")
+    good = ServerClient(http_server, api_key="right", timeout_s=10)
+    with pytest.raises(ServerSetupError, match="VLLM_SERVER_DEV_MODE=1"):
+        good.get("/weight_info")
+    with pytest.raises(ServerRequestError, match="boom in the worker"):
+        good.get("/other")
+    assert "right" not in repr(good)
+
+
+def test_keep_pause_mode_is_refused() -> None:
+    with pytest.raises(ValueError, match="KEEP"):
+        VLLMServerConfig(url="http://127.0.0.1:1", pause_mode="keep")
+    assert "key" not in repr(VLLMServerConfig(url="http://127.0.0.1:1", api_key="key"))
