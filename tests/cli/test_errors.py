@@ -56,3 +56,13 @@ def test_unexpected_error_is_one_line_and_traceback_flag_reraises(monkeypatch, c
     assert err.startswith("weightsync sync: error: RuntimeError: first; second") and err.count("\n") == 1, err
     with pytest.raises(RuntimeError):
         main(["--traceback", "sync", "--base", "b"])
+
+
+def test_one_line_drops_worker_prefixes_and_keeps_the_end_of_a_long_message():
+    frames = "".join(f"[rank0]:   File \"/v/f{i}.py\", line {i}, in g\n[rank0]:     call_{i}()\n[rank0]:     ^^^^\n"
+                     for i in range(3))
+    text = "vLLM oracle failed (1):\n[rank0]: Traceback (most recent call last):\n" + frames + \
+        "[rank0]: ValueError: Head size 8 is not supported"
+    assert one_line(text) == "vLLM oracle failed (1):; ValueError: Head size 8 is not supported"
+    long = one_line("start\n" + "x" * 5000 + "\nValueError: the cause")
+    assert long.startswith("start; x") and long.endswith("ValueError: the cause") and " … " in long

