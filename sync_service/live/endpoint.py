@@ -13,7 +13,8 @@ import time
 from collections.abc import Callable
 
 from protocols.params import ParamMeta
-from protocols.wire import SyncPlan, decode
+from protocols.wire import SyncPlan
+from protocols.wire_check import decode
 from sync_service.live.state import LiveState
 
 __all__ = ["TrainerEndpoint", "meta_to_list"]

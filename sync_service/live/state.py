@@ -18,7 +18,7 @@ import torch
 from sync_service.live.base import ExpertBlock, live_base
 from sync_service.live.gather import ShardGather
 from sync_service.live.model import LiveModel
-from sync_service.merge.layouts import layout_for
+from sync_service.merge.derive import layout_for
 from sync_service.merge.source import MergeConfig, MergedSource
 from sync_service.sharding.local_adapter import LocalAdapter
 from sync_service.sharding.rules import ShardSpec
