@@ -23,8 +23,6 @@ from sync_service.preflight import check_deploy, fail
 from sync_service.progress import Steps
 from sync_service.sync_cli import VersionRow, announce_metrics, print_header, print_row, quiet_libraries, write_json
 
-STAGES = ("gather_s", "merge_s", "pack_s", "transfer_s", "apply_s", "commit_s")
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, type=Path, help="YAML config (see deploy/example-config.yaml)")
@@ -89,7 +87,7 @@ def run_versions(cfg: DeployConfig, deployment, sync, first_version: int = 0, ve
         else:
             engines = [{**e, "verified": e["committed"]} for e in engines]
         rows.append(VersionRow(version=v, full=m.full, bytes=m.bytes, buckets=m.buckets, seconds=m.seconds,
-                               gb_per_s=m.gb_per_s, stages={k: getattr(m, k) for k in STAGES}, engines=engines))
+                               gb_per_s=m.gb_per_s, stages=m.stage_seconds(), engines=engines))
         print_row(rows[-1])
     return rows
 

@@ -135,7 +135,7 @@ def run_local(cfg: RunConfig) -> list[VersionRow]:
             checks = verify_version(cfg, work / f"v{v}", replay, engines)
             rows.append(VersionRow(
                 version=v, full=m.full, bytes=m.bytes, buckets=m.buckets, seconds=m.seconds, gb_per_s=m.gb_per_s,
-                stages={k: getattr(m, k) for k in ("gather_s", "merge_s", "pack_s", "transfer_s", "apply_s", "commit_s")},
+                stages=m.stage_seconds(),
                 engines=[{"engine": n, **c} for n, c in zip(names, checks)]))
             print_row(rows[-1])
         sync.close()

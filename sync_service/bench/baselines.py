@@ -10,7 +10,7 @@ their boxes (the merge core, as ours); every rank sends its merged boxes over gl
 holds the whole merged state dict, ``ray.put``s it (numpy), and the engine ``ray.get``s it and
 copies every tensor into its parameters.
 
-Stage seconds map onto ``rows.STAGES``: disk merge -> ``merge_s``, save -> ``pack_s``, reload ->
+Stage seconds map onto ``coordinator.metrics.STAGES``: disk merge -> ``merge_s``, save -> ``pack_s``, reload ->
 ``apply_s``; gather factors -> ``gather_s``, merge -> ``merge_s``, gloo gather to rank 0 + ray.put
 -> ``transfer_s``, ray.get + copy -> ``apply_s``. ``detail`` keeps the unmapped steps.
 """

@@ -17,7 +17,7 @@ from __future__ import annotations
 import ray
 
 from sync_service.bench.model import BenchModel
-from sync_service.bench.rows import STAGES, BenchConfig, Row, median_index
+from sync_service.bench.rows import BenchConfig, Row, median_index
 from sync_service.bench.rss import RssSampler, actor_pid
 
 __all__ = ["run_ours"]
@@ -79,7 +79,7 @@ def _row(kind: str, trainers: list, engines: list, tpids: list[int], cfg: BenchC
             sync.close()
     best = metrics[median_index([m.seconds for m in metrics])]
     return Row(kind=kind, size=size, model_bytes=model_bytes, bytes=best.bytes, engines=len(engines),
-               seconds=[m.seconds for m in metrics], stages={k: getattr(best, k) for k in STAGES},
+               seconds=[m.seconds for m in metrics], stages=best.stage_seconds(),
                trainer_peak_rss_bytes=rss.peak_bytes("trainer"),
                trainer_peak_extra_bytes=max(w.max_extra_bytes("trainer") for w in windows),
                trainer_peak_extra_rss_bytes=max(w.max_extra_rss_bytes("trainer") for w in windows),

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from sync_service.bench.rows import ROW_KINDS, BenchConfig, Row
+from sync_service.coordinator.metrics import STAGES
 
 __all__ = ["GOALS", "build_report", "markdown_table", "write_plot"]
 
@@ -79,11 +80,11 @@ def build_report(rows: list[Row], cfg: BenchConfig, *, factor_bytes: dict[int, i
 def markdown_table(report: dict) -> str:
     """One line per row and size: seconds, GB/s, x floor, memory, stage seconds."""
     head = ("| size | row | engines | GB | median s | GB/s | x floor | trainer peak RSS GB | trainer extra MB "
-            "(allocated / RSS) | engine peak RSS GB | gather / merge / pack / transfer / apply s |")
+            f"(allocated / RSS) | engine peak RSS GB | {' / '.join(k.removesuffix('_s') for k in STAGES)} s |")
     lines = [head, "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in report["rows"]:
         st = r["stages"]
-        stages = " / ".join(f"{st[k]:.2f}" if k in st else "-" for k in ("gather_s", "merge_s", "pack_s", "transfer_s", "apply_s"))
+        stages = " / ".join(f"{st[k]:.2f}" if k in st else "-" for k in STAGES)
         ratio = f"{r['ratio_to_floor']:.2f}" if r["ratio_to_floor"] else "-"
         lines.append(f"| {r['size']}x | {r['kind']} | {r['engines']} | {r['bytes'] / 1e9:.3f} | {r['median_s']:.3f} | "
                      f"{r['gb_per_s']:.3f} | {ratio} | {r['trainer_peak_rss_bytes'] / 1e9:.2f} | "

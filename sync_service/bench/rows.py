@@ -6,7 +6,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-__all__ = ["BenchConfig", "Row", "ROW_KINDS", "STAGES"]
+__all__ = ["BenchConfig", "Row", "ROW_KINDS"]
 
 # row kind -> one-line description (the table and the JSON use these keys)
 ROW_KINDS = {
@@ -17,8 +17,6 @@ ROW_KINDS = {
     "gather": "full merged state dict gathered in one trainer, ray.put, engine ray.get + copy into its params",
     "floor": "one cross-process copy of the same bytes through reused shared memory",
 }
-# stage names of the breakdown (SyncMetrics' for ours; the baselines map their steps onto them)
-STAGES = ("gather_s", "merge_s", "pack_s", "transfer_s", "apply_s", "commit_s")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+STAGES = ("gather_s", "merge_s", "pack_s", "transfer_s", "apply_s", "commit_s")
+"""``SyncMetrics``' stage-second fields in pipeline order: every breakdown (CLI rows, JSON, benchmarks) uses these."""
 
 @dataclass(frozen=True, slots=True)
 class EngineResult:
@@ -52,6 +54,10 @@ class SyncMetrics:
     engines: tuple[EngineResult, ...] = field(default_factory=tuple)
     mode: str = "merged"
     factor_tensors: tuple[str, ...] = ()
+
+    def stage_seconds(self) -> dict[str, float]:
+        """``STAGES`` → seconds of this push."""
+        return {k: getattr(self, k) for k in STAGES}
 
     @property
     def gb_per_s(self) -> float:

@@ -22,6 +22,7 @@ Orientation and order come from these rows, never from shapes (square H == I and
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal
@@ -143,3 +144,49 @@ HAND_ROWS: dict[str, dict] = {
 GATE_FIRST_OVERRIDES: dict[str, str] = {
     "GptOssExperts": "gate, up = gate_up[..., ::2], gate_up[..., 1::2] (is_concatenated=False)",
 }
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertNames:
+    """Name patterns of a layout's expert tensors and their PEFT factor keys (hf-fused naming and PEFT keys
+    alike; the experts module's last component survives every prefix and disk renaming)."""
+
+    fused_gate_up: re.Pattern[str]
+    """The fused gate/up tensor [E, ...] (``….mlp.experts.gate_up_proj``)."""
+    fused_down: re.Pattern[str]
+    """The fused down tensor [E, ...] (``….mlp.experts.down_proj``)."""
+    fused: re.Pattern[str]
+    """Either fused experts tensor [E, ...]: expert-parallel along dim 0."""
+    per_expert: re.Pattern[str]
+    """A legacy per-expert name or PEFT key (``….experts.N.gate_proj…``); group 1 is the expert N."""
+    lora_a: re.Pattern[str]
+    """PEFT ``target_parameters`` A factor of a fused experts tensor, [r·E, in] (rows expert-major)."""
+    lora_b: re.Pattern[str]
+    """PEFT ``target_parameters`` B factor of a fused experts tensor, [out, r·E] (columns rank-major)."""
+
+    def with_expert(self, key: str, expert: int) -> str:
+        """``key`` (a ``per_expert`` name) with its expert index replaced by ``expert``."""
+        m = self.per_expert.search(key)
+        assert m is not None, key
+        return key[:m.start(1)] + str(expert) + key[m.end(1):]
+
+
+@lru_cache(maxsize=64)
+def _expert_names(experts_module: str, gate_up: str, down: str) -> ExpertNames:
+    experts, gate_up, down = re.escape(experts_module.rpartition(".")[2]), re.escape(gate_up), re.escape(down)
+    return ExpertNames(
+        fused_gate_up=re.compile(rf"\.{experts}\.{gate_up}$"), fused_down=re.compile(rf"\.{experts}\.{down}$"),
+        fused=re.compile(rf"\.{experts}\.(?:{gate_up}|{down})$"), per_expert=re.compile(rf"\.{experts}\.(\d+)\."),
+        lora_a=re.compile(rf"\.{experts}\.(?:base_layer\.)?lora_A\.weight$"),
+        lora_b=re.compile(rf"\.{experts}\.(?:base_layer\.)?lora_B\.weight$"))
+
+
+def expert_names(layout: FamilyLayout | None = None) -> ExpertNames:
+    """The expert name patterns of ``layout``'s ``experts_module`` / ``gate_up`` / ``down``; ``None``: of
+    ``FamilyLayout``'s default naming (``mlp.experts.gate_up_proj`` / ``down_proj``, every family whose
+    rows keep transformers' standard experts module)."""
+    if layout is None:
+        fields = FamilyLayout.__dataclass_fields__
+        return _expert_names(fields["experts_module"].default, fields["gate_up"].default, fields["down"].default)
+    return _expert_names(layout.experts_module, layout.gate_up, layout.down)
+

@@ -17,35 +17,34 @@ its own base shard locally. Keys are PEFT state-dict keys (``get_peft_model_stat
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from sync_service.merge.layouts import expert_names
 from sync_service.sharding.rules import ShardSpec
 
 __all__ = ["FactorGather", "factor_kind", "local_factors", "gather_factors"]
 
-_FUSED_A = re.compile(r"\.experts\.(base_layer\.)?lora_A\.weight$")
-_FUSED_B = re.compile(r"\.experts\.(base_layer\.)?lora_B\.weight$")
-_PER_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+_NAMES = expert_names()
+
 
 
 def factor_kind(key: str) -> str:
     """``"rows"`` (fused A), ``"rank_major"`` (fused B), ``"expert"`` (legacy per-expert) or ``"replicated"``."""
-    if _FUSED_A.search(key):
+    if _NAMES.lora_a.search(key):
         return "rows"
-    if _FUSED_B.search(key):
+    if _NAMES.lora_b.search(key):
         return "rank_major"
-    if _PER_EXPERT.search(key):
+    if _NAMES.per_expert.search(key):
         return "expert"
     return "replicated"
 
 
 def _num_experts(state: Mapping[str, torch.Tensor]) -> int:
-    ids = [int(m.group(1)) for k in state if (m := _PER_EXPERT.search(k))]
+    ids = [int(m.group(1)) for k in state if (m := _NAMES.per_expert.search(k))]
     return max(ids) + 1 if ids else 0
 
 
@@ -70,7 +69,7 @@ def local_factors(full: Mapping[str, torch.Tensor], spec: ShardSpec, *, num_expe
             view = t.reshape(t.shape[0], r, num_experts)[:, :, er * e_local:(er + 1) * e_local]
             out[key] = view.reshape(t.shape[0], r * e_local).clone()
         elif kind == "expert":
-            if int(_PER_EXPERT.search(key).group(1)) // e_local == er:
+            if int(_NAMES.per_expert.search(key).group(1)) // e_local == er:
                 out[key] = t.clone()
         else:
             out[key] = t.clone()
@@ -196,8 +195,8 @@ def _expert_keys_by_rank(local, spec: ShardSpec, e_local: int) -> list[tuple[int
     mine = sorted(k for k in local if factor_kind(k) == "expert")
     if not mine:
         return []
-    first = min(int(_PER_EXPERT.search(k).group(1)) for k in mine)
-    return [(er, key, _PER_EXPERT.sub(f".experts.{int(_PER_EXPERT.search(key).group(1)) - first + er * e_local}.", key, count=1))
+    first = min(int(_NAMES.per_expert.search(k).group(1)) for k in mine)
+    return [(er, key, _NAMES.with_expert(key, int(_NAMES.per_expert.search(key).group(1)) - first + er * e_local))
             for er in range(spec.ep) for key in mine]
 
 

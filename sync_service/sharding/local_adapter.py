@@ -13,7 +13,6 @@ into the buffers the adapter views and re-derives its copies (``LoraAdapter.refr
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Mapping
 
 import torch
@@ -21,15 +20,13 @@ import torch
 from sync_service.merge.adapter import adapter_from_state_dict
 from sync_service.merge.errors import MergeError
 from sync_service.merge.finite import all_finite
+from sync_service.merge.layouts import expert_names
 from sync_service.merge.terms import LoraAdapter
 from sync_service.sharding.base import ShardedBase
 from sync_service.sharding.ep_factors import factor_kind
 from sync_service.sharding.rules import ShardSpec
 
-__all__ = ["LocalAdapter", "FUSED_EXPERTS"]
-
-FUSED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
-"""Fused expert tensors [E, ...] (hf-fused naming), EP-sharded along dim 0."""
+__all__ = ["LocalAdapter"]
 
 
 class LocalAdapter:
@@ -94,7 +91,7 @@ class LocalAdapter:
                                            tied_aliases=base.tied_aliases)
         e_local = e // ep
         off = self.spec.ep_rank * e_local
-        metas = [dataclasses.replace(m, shape=(e_local, *m.shape[1:])) if FUSED_EXPERTS.search(m.name) else m
+        metas = [dataclasses.replace(m, shape=(e_local, *m.shape[1:])) if expert_names().fused.search(m.name) else m
                  for m in base.metas()]
         local = {k: _block_of_copy(k, t, e, off, e_local) for k, t in factors.items()}
         adapter = adapter_from_state_dict(self.peft_config, local, base.layout, metas, tied_aliases=base.tied_aliases)
@@ -111,6 +108,6 @@ class LocalAdapter:
 def _block_of_copy(key: str, t: torch.Tensor, num_experts: int, off: int, e_local: int) -> torch.Tensor:
     """A modules_to_save copy of a fused expert tensor [E, ...] → this rank's block (a view, for the
     shape check against the shrunk metas); else ``t``."""
-    if ".lora_" not in key and FUSED_EXPERTS.search(key) and t.dim() >= 1 and t.shape[0] == num_experts:
+    if ".lora_" not in key and expert_names().fused.search(key) and t.dim() >= 1 and t.shape[0] == num_experts:
         return t[off:off + e_local]
     return t

@@ -23,6 +23,7 @@ import re
 from dataclasses import dataclass
 
 from protocols.params import Box, ParamMeta
+from sync_service.merge.layouts import expert_names
 
 __all__ = ["Piece", "ShardSpec", "SHARD_RULES", "shard_pieces", "owns", "local_shape"]
 
@@ -64,8 +65,8 @@ class ShardSpec:
 # name pattern -> {dim: (mesh axis, split kind)}; first match wins. "chunk": equal contiguous
 # blocks; "halves": each half of the dim ([gate; up]) chunked separately and stacked.
 SHARD_RULES: tuple[tuple[re.Pattern[str], dict[int, tuple[str, str]]], ...] = (
-    (re.compile(r"\.experts\.gate_up_proj$"), {0: ("ep", "chunk"), 1: ("tp", "halves")}),
-    (re.compile(r"\.experts\.down_proj$"), {0: ("ep", "chunk"), 2: ("tp", "chunk")}),
+    (expert_names().fused_gate_up, {0: ("ep", "chunk"), 1: ("tp", "halves")}),
+    (expert_names().fused_down, {0: ("ep", "chunk"), 2: ("tp", "chunk")}),
     (re.compile(r"\.(q_proj|k_proj|v_proj)\.(weight|bias)$"), {0: ("tp", "chunk")}),
     (re.compile(r"\.mlp\.(gate_proj|up_proj)\.weight$"), {0: ("tp", "chunk")}),
     (re.compile(r"\.(o_proj|mlp\.down_proj)\.weight$"), {1: ("tp", "chunk")}),

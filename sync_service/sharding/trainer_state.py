@@ -10,7 +10,6 @@ shard that produces exactly the rank's owned boxes. A sync never modifies the tr
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,10 +18,11 @@ import torch
 
 from sync_service.merge.adapter import adapter_from_state_dict
 from sync_service.merge.errors import MergeError
+from sync_service.merge.layouts import expert_names
 from sync_service.merge.source import MergeConfig, MergedSource
 from sync_service.sharding.base import ShardedBase
 from sync_service.sharding.ep_factors import FactorGather, local_factors
-from sync_service.sharding.local_adapter import FUSED_EXPERTS, LocalAdapter
+from sync_service.sharding.local_adapter import LocalAdapter
 from sync_service.sharding.rules import ShardSpec
 
 __all__ = ["TrainerState", "Snapshot", "num_experts_of"]
@@ -31,7 +31,7 @@ __all__ = ["TrainerState", "Snapshot", "num_experts_of"]
 def num_experts_of(base: ShardedBase) -> int:
     """E from the first fused experts tensor (dim 0); 0 for a dense model."""
     for m in base.metas():
-        if re.search(r"\.experts\.(gate_up_proj|down_proj)$", m.name):
+        if expert_names().fused.search(m.name):
             return m.shape[0]
     return 0
 
@@ -208,7 +208,7 @@ def _check_expert_ownership(base: ShardedBase, spec: ShardSpec, num_experts: int
     e_local = num_experts // spec.ep
     lo, hi = spec.ep_rank * e_local, (spec.ep_rank + 1) * e_local
     for m in base.owned():
-        if FUSED_EXPERTS.search(m.name) and m.box is not None:
+        if expert_names().fused.search(m.name) and m.box is not None:
             if not (lo <= m.box[0][0] and m.box[0][1] <= hi):
                 raise ValueError(f"trainer rank {spec.rank} owns {m.name} experts {m.box[0]} outside its block "
                                  f"[{lo}, {hi}); EP ranks produce only their own experts")
@@ -227,12 +227,10 @@ def _full_shape(key: str, t: torch.Tensor, spec: ShardSpec, num_experts: int) ->
 
 def _peer_expert_keys(full: dict[str, torch.Tensor], spec: ShardSpec, num_experts: int) -> dict[str, torch.Tensor]:
     """Legacy per-expert keys of the other EP ranks' experts (zero-filled, same shapes)."""
-    pattern = re.compile(r"\.experts\.(\d+)\.")
     out = {}
     for key, t in full.items():
-        m = pattern.search(key)
-        if m is None:
+        if expert_names().per_expert.search(key) is None:
             continue
         for e in range(num_experts):
-            out.setdefault(pattern.sub(f".experts.{e}.", key, count=1), torch.zeros_like(t))
+            out.setdefault(expert_names().with_expert(key, e), torch.zeros_like(t))
     return out
