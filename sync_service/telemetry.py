@@ -29,13 +29,13 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from sync_service.coordinator.metrics import STAGES as PIPELINE_STAGES
 from sync_service.coordinator.metrics import SyncMetrics
 
 __all__ = ["STAGES", "SyncTelemetry"]
 
-# stage label -> SyncMetrics field (seconds)
-STAGES: dict[str, str] = {"gather": "gather_s", "merge": "merge_s", "pack": "pack_s", "transfer": "transfer_s",
-                          "apply": "apply_s", "commit": "commit_s", "total": "seconds"}
+# stage label -> SyncMetrics field (seconds): the pipeline stages (``coordinator.metrics.STAGES``) and the total
+STAGES: dict[str, str] = {**{field.removesuffix("_s"): field for field in PIPELINE_STAGES}, "total": "seconds"}
 
 SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 """Histogram bucket bounds, seconds (a stage of a tiny model takes ms; a push of a large one minutes)."""
