@@ -20,8 +20,9 @@ from dataclasses import dataclass
 import torch
 
 from protocols.params import ParamMeta
+from sync_service.dtypes import wire_dtype
+from sync_service.merge.layouts import expert_names
 from sync_service.sharding.base import LocalShard, ShardedBase
-from sync_service.sharding.local_adapter import FUSED_EXPERTS
 from sync_service.sharding.rules import Piece
 
 __all__ = ["ExpertBlock", "chunk_rows", "live_base"]
@@ -56,7 +57,7 @@ def _dtensor_shard(name: str, dt) -> LocalShard:
                          f"fully_shard) — shard with fully_shard, or gather it to a plain tensor")
     shape = tuple(dt.shape)
     local_shape, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
-    meta = ParamMeta(name=name, dtype=str(dt.dtype).removeprefix("torch."), shape=shape)
+    meta = ParamMeta(name=name, dtype=wire_dtype(dt.dtype), shape=shape)
     pieces: tuple[Piece, ...] = ()
     if shape and local_shape[0] > 0:
         rows = local_shape[0]
@@ -71,14 +72,14 @@ def _expert_shard(name: str, t: torch.Tensor, block: ExpertBlock) -> LocalShard:
         raise ValueError(f"attach_trainer: {name} holds {t.shape[0]} experts but expert_range=({block.start}, "
                          f"{block.stop}) says {block.stop - block.start}; pass this rank's global expert range")
     shape = (block.num_experts, *t.shape[1:])
-    meta = ParamMeta(name=name, dtype=str(t.dtype).removeprefix("torch."), shape=shape)
+    meta = ParamMeta(name=name, dtype=wire_dtype(t.dtype), shape=shape)
     piece = Piece(global_box=_whole(shape, (block.start, block.stop)), local_box=_whole(shape, (0, t.shape[0])))
     return LocalShard(meta=meta, local=t.detach(), pieces=(piece,), owned=True)
 
 
 def _replicated_shard(name: str, t: torch.Tensor, rank: int, world: int) -> LocalShard:
     shape = tuple(t.shape)
-    meta = ParamMeta(name=name, dtype=str(t.dtype).removeprefix("torch."), shape=shape)
+    meta = ParamMeta(name=name, dtype=wire_dtype(t.dtype), shape=shape)
     if not shape:
         pieces = (Piece(global_box=(), local_box=()),) if rank == 0 else ()
     else:
@@ -98,7 +99,7 @@ def live_base(params, *, layout, tied_aliases, rank: int, world: int, experts: E
     for name, p in params.items():
         if p.sharded:
             shards[name] = _dtensor_shard(name, p.param)
-        elif experts is not None and FUSED_EXPERTS.search(name):
+        elif experts is not None and expert_names().fused.search(name):
             shards[name] = _expert_shard(name, p.local(), experts)
         else:
             shards[name] = _replicated_shard(name, p.local(), rank, world)
