@@ -56,7 +56,10 @@ def attach_trainer(model, *, group=None, expert_range: tuple[int, int] | None = 
     """
     import ray
 
-    actor = ray.get_runtime_context().current_actor if ray.is_initialized() else None
+    try:
+        actor = ray.get_runtime_context().current_actor if ray.is_initialized() else None
+    except RuntimeError:  # the driver, or a task: no actor
+        actor = None
     if actor is None:
         raise RuntimeError("attach_trainer runs inside the Ray actor of a training rank (the coordinator reaches the "
                            "endpoint through that actor); call it from the actor's method")

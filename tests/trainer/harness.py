@@ -23,10 +23,10 @@ TARGET_MODULES = ["q_proj", "v_proj"]
 TARGET_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
-def lora_config():
+def lora_config(r: int = 2):
     from peft import LoraConfig
 
-    return LoraConfig(r=2, lora_alpha=8, target_modules=TARGET_MODULES, target_parameters=TARGET_PARAMETERS)
+    return LoraConfig(r=r, lora_alpha=8, target_modules=TARGET_MODULES, target_parameters=TARGET_PARAMETERS)
 
 
 def _free_port() -> int:
@@ -81,8 +81,9 @@ class TrainingRank:
     def rendezvous(self) -> tuple[str, int]:
         return "127.0.0.1", _free_port()
 
-    def setup(self, host: str, port: int, base_dir: str, mode: str, **attach_kw):
-        """Join the training group, build and wrap the model, make the optimizer; attach weightsync."""
+    def setup(self, host: str, port: int, base_dir: str, mode: str, *, lora_r: int = 2, shard_dim: int = 0, **attach_kw):
+        """Join the training group, build and wrap the model, make the optimizer; attach weightsync.
+        ``lora_r`` / ``shard_dim`` (FSDP2 placement dim) let a test give ranks bad or differing models."""
         import torch.distributed as dist
         from peft import get_peft_model
         from transformers import AutoModelForCausalLM
@@ -97,24 +98,26 @@ class TrainingRank:
         base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
         if mode == "ep":
             _localize_experts(base, self.rank, self.world)
-        self.peft = get_peft_model(base, lora_config())
+        self.peft = get_peft_model(base, lora_config(lora_r))
         _randomize_lora(self.peft, self.rank, mode == "ep")
-        self.model = self._wrap(mode)
+        self.model = self._wrap(mode, shard_dim)
         self.opt = torch.optim.AdamW([p for p in self.peft.parameters() if p.requires_grad], lr=2e-2)
         kw = dict(attach_kw)
-        if mode == "ep":
+        if mode == "ep" and "expert_range" not in kw:
             e_local = base.model.layers[0].mlp.experts.num_experts
             kw["expert_range"] = (self.rank * e_local, (self.rank + 1) * e_local)
         return attach_trainer(self.model, before_send=self._gate, **kw)
 
-    def _wrap(self, mode: str):
+    def _wrap(self, mode: str, shard_dim: int):
         if mode == "fsdp2":
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
+            from torch.distributed.tensor import Shard
 
             mesh = init_device_mesh("cpu", (self.world,))
+            place = None if shard_dim == 0 else (lambda p: Shard(shard_dim) if p.dim() > shard_dim else Shard(0))
             for layer in self.peft.base_model.model.model.layers:
-                fully_shard(layer, mesh=mesh)
+                fully_shard(layer, mesh=mesh, shard_placement_fn=place)
             return fully_shard(self.peft, mesh=mesh)
         if mode == "ddp":
             from torch.nn.parallel import DistributedDataParallel

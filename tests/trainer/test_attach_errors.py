@@ -1,0 +1,85 @@
+"""Bad input to ``attach_trainer`` fails on every rank, naming the parameter and the fix, before any byte moves."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from tests.trainer.conftest import ray
+
+
+@pytest.fixture(scope="module")
+def tiny(bases):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(bases["qwen3_moe"]), dtype=torch.float32)
+
+
+def _attach(model, **kw):
+    from sync_service.live import build_endpoint
+
+    return build_endpoint(model, group=None, rank=0, world=1, **kw)
+
+
+def test_not_a_peft_model(tiny):
+    from sync_service.live import AttachError
+
+    with pytest.raises(AttachError, match=r"not a peft\.PeftModel; pass the model peft\.get_peft_model"):
+        _attach(tiny)
+
+
+def test_adapter_name_that_does_not_exist(tiny):
+    from peft import get_peft_model
+
+    from sync_service.live import AttachError
+    from tests.trainer.harness import lora_config
+
+    model = get_peft_model(tiny, lora_config())
+    with pytest.raises(AttachError, match=r"adapter_name='policy' is not an adapter of this model; it has \['default'\]"):
+        _attach(model, adapter_name="policy")
+    assert _attach(model).state.owned()  # the same model attaches with its own adapter name
+    model.unload()
+
+
+def test_non_lora_adapter(bases):
+    from peft import IA3Config, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from sync_service.live import AttachError
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(bases["qwen3_moe"])),
+                           IA3Config(target_modules=["q_proj"], feedforward_modules=[]))
+    with pytest.raises(AttachError, match="not LoRA"):
+        _attach(model)
+
+
+def test_attach_outside_a_ray_actor(tiny):
+    from sync_service.live import attach_trainer
+
+    with pytest.raises(RuntimeError, match="inside the Ray actor"):
+        attach_trainer(tiny)
+
+
+def _errors(ranks, base_dir, mode: str, per_rank) -> list[str]:
+    """Each rank's error text from setup (both must fail)."""
+    host, port = ray.get(ranks[0].rendezvous.remote())
+    refs = [r.setup.remote(host, port, str(base_dir), mode, **per_rank(k)) for k, r in enumerate(ranks)]
+    texts = []
+    for ref in refs:
+        with pytest.raises(ray.exceptions.RayTaskError) as info:
+            ray.get(ref, timeout=300)
+        texts.append(str(info.value))
+    return texts
+
+
+@pytest.mark.parametrize("case,mode,per_rank,expected", [
+    ("Shard(1)", "fsdp2", lambda k: {"shard_dim": 1}, r"placed \(Shard\(dim=1\),\).*fully_shard"),
+    ("ranks differ", "ep", lambda k: {"lora_r": 2 + 2 * k}, r"the ranks' models differ"),
+    ("expert ranges overlap", "ep", lambda k: {"expert_range": (0, 2)}, r"equal contiguous blocks in rank order"),
+])
+def test_bad_sharding_fails_on_every_rank(bases, ranks, case, mode, per_rank, expected):
+    texts = _errors(ranks, bases["qwen3_moe"], mode, per_rank)
+    for text in texts:
+        assert "AttachError" in text and re.search(expected, text), (case, text[-600:])
