@@ -81,9 +81,11 @@ class TrainingRank:
     def rendezvous(self) -> tuple[str, int]:
         return "127.0.0.1", _free_port()
 
-    def setup(self, host: str, port: int, base_dir: str, mode: str, *, lora_r: int = 2, shard_dim: int = 0, **attach_kw):
+    def setup(self, host: str, port: int, base_dir: str, mode: str, *, lora_r: int = 2, shard_dim: int = 0,
+              restore: dict[str, np.ndarray] | None = None, **attach_kw):
         """Join the training group, build and wrap the model, make the optimizer; attach weightsync.
-        ``lora_r`` / ``shard_dim`` (FSDP2 placement dim) let a test give ranks bad or differing models."""
+        ``lora_r`` / ``shard_dim`` (FSDP2 placement dim) let a test give ranks bad or differing models;
+        ``restore``: the whole adapter of a checkpoint (``adapter_state``) to resume from (not under EP)."""
         import torch.distributed as dist
         from peft import get_peft_model
         from transformers import AutoModelForCausalLM
@@ -100,6 +102,10 @@ class TrainingRank:
             _localize_experts(base, self.rank, self.world)
         self.peft = get_peft_model(base, lora_config(lora_r))
         _randomize_lora(self.peft, self.rank, mode == "ep")
+        if restore is not None:
+            from peft import set_peft_model_state_dict
+
+            set_peft_model_state_dict(self.peft, {k: torch.from_numpy(v.copy()) for k, v in restore.items()})
         self.model = self._wrap(mode, shard_dim)
         self.opt = torch.optim.AdamW([p for p in self.peft.parameters() if p.requires_grad], lr=2e-2)
         kw = dict(attach_kw)

@@ -86,3 +86,35 @@ def test_step_during_a_held_send_leaves_the_snapshot(bases, engines, ranks, tmp_
     finally:
         ray.get([r.release_sends.remote() for r in ranks])
         sync.close()
+
+
+def test_restored_trainer_reattaches_and_continues_the_versions(bases, engines, tmp_path):
+    """Kill both training ranks, restore new ones from the adapter checkpoint, attach again and build a
+    new WeightSync over the same engines: the next push (version after the engines') is exact."""
+    from sync_service.api import SyncConfig, WeightSync
+    from tests.trainer.harness import TrainingRank
+
+    family = "qwen3_moe"
+    ranks = [TrainingRank.remote(k, 2) for k in range(2)]
+    sync = WeightSync(trainers=setup_ranks(ranks, bases[family], "fsdp2"), engines=engines[family],
+                      config=SyncConfig(**CONFIG_KW))
+    ray.get([r.train_step.remote() for r in ranks], timeout=120)
+    sync.push(40)
+    checkpoint = ray.get([r.adapter_state.remote() for r in ranks], timeout=120)[0]
+    for r in ranks:
+        ray.kill(r)
+    restored = [TrainingRank.remote(k, 2) for k in range(2)]
+    try:
+        handles = setup_ranks(restored, bases[family], "fsdp2", restore=checkpoint)
+        resumed = WeightSync(trainers=handles, engines=engines[family], config=SyncConfig(**CONFIG_KW))
+        assert set(resumed.engine_versions().values()) == {40}  # engines kept serving the last commit
+        ray.get([r.train_step.remote() for r in restored], timeout=120)
+        metrics = resumed.push(max(resumed.engine_versions().values()) + 1)
+        assert metrics.full and all(e.committed for e in metrics.engines)
+        adapter = adapter_of(restored)
+        assert_engines_hold(engines[family], peft_merged(bases[family], adapter, tmp_path / "resumed"), what="resumed")
+        assert set(resumed.engine_versions().values()) == {41}
+        resumed.close()
+    finally:
+        for r in restored:
+            ray.kill(r)
