@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.traceback:
             raise
         message, code = describe(exc)
-        hint = "" if code == EXIT_BAD_INPUT else " (--traceback shows where)"
+        hint = "" if code == EXIT_BAD_INPUT else f" (weightsync --traceback {args.command} … shows where)"
         print(f"weightsync {args.command}: error: {message}{hint}", file=sys.stderr)
         return code
 
