@@ -8,7 +8,6 @@ numpy arrays, msgpack bytes), never project objects.
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from datetime import timedelta
@@ -71,13 +70,35 @@ class TrainerShardCore:
         self._factors = None  # sync_service.factor_stream.trainer.FactorTrainer, in factor modes
         self._full_shapes: dict[str, tuple[int, ...]] = {}
         self._send_lock = threading.Lock()  # one send at a time: sends share the bucket pool and the adapter
+        self._rendezvous = None  # rank 0: the trainer group's reserved listening socket (rendezvous_address)
 
     # -- setup -----------------------------------------------------------------------------
-    def rendezvous_address(self) -> tuple[str, int]:
-        """A free TCP port on this host for the trainer group's rendezvous (call on rank 0)."""
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return "127.0.0.1", s.getsockname()[1]
+    def rendezvous_address(self, host: str = "127.0.0.1") -> tuple[str, int]:
+        """Reserve the trainer group's rendezvous: a socket listening on ``host`` only (never every
+        interface), on a port the OS picks; kept open until ``setup`` hands it to the group's
+        TCPStore, so no other process can take the port in between. Call on rank 0."""
+        from sync_service.transports.store import bind_listener
+
+        if self._rendezvous is not None:
+            self._rendezvous.close()
+        self._rendezvous = bind_listener(host, None)
+        return host, self._rendezvous.getsockname()[1]
+
+    def _init_group(self, host: str, port: int, timeout_s: float) -> None:
+        """Join the gloo trainer group; rank 0 serves its TCPStore on the reserved socket (or binds
+        ``host:port`` only), not on every interface as ``init_method="tcp://..."`` would."""
+        import torch.distributed as dist
+
+        from sync_service.transports.store import bind_listener
+
+        world, listen_fd = self.spec.world_size, None
+        if self.spec.rank == 0:
+            sock = self._rendezvous if self._rendezvous is not None else bind_listener(host, (port, port))
+            self._rendezvous, listen_fd = None, sock.detach()
+        store = dist.TCPStore(host, port, world, self.spec.rank == 0, timeout=timedelta(seconds=timeout_s),
+                              master_listen_fd=listen_fd)
+        dist.init_process_group("gloo", store=store, rank=self.spec.rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s))
 
     def setup(self, host: str | None, port: int | None, timeout_s: float, **reconfigure) -> int:
         """Join the gloo trainer group (when world > 1) and load this rank's shard; returns how many
@@ -96,10 +117,8 @@ class TrainerShardCore:
             self.spec = ShardSpec(rank=reconfigure.get("rank", self.spec.rank), ep=reconfigure.get("ep", self.spec.ep),
                                   tp=reconfigure.get("tp", self.spec.tp))
         self.state, self._full_shapes = None, {}
-        world = self.spec.world_size
-        if world > 1:
-            dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=self.spec.rank,
-                                    world_size=world, timeout=timedelta(seconds=timeout_s))
+        if self.spec.world_size > 1:
+            self._init_group(host, port, timeout_s)
         self.state = TrainerState.from_checkpoint(self._init["base_dir"], self._init["adapter_dir"], self.spec,
                                                   gather_timeout_s=self._init["gather_timeout_s"])
         if self._init["adapter_dir"] is not None:

@@ -171,10 +171,11 @@ class TransportRun:
 
     def __init__(self, kind: str, gib: float, bucket: int, slots: int, threads: int):
         from sync_service.streaming import BucketPool, Sender, TensorSource, build_plan
-        from sync_service.transports import TransportSpec, open_sender
+        from sync_service.transports import TransportSpec, host_channel, open_sender
         self.kind = kind
-        spec = TransportSpec(kind=kind, name="b" + uuid.uuid4().hex[:8], bucket_bytes=bucket, slots=slots,
-                             port=free_port(), op_timeout_s=600, connect_timeout_s=300)
+        self.host = host_channel(TransportSpec(kind=kind, name="b" + uuid.uuid4().hex[:8], bucket_bytes=bucket,
+                                               slots=slots, op_timeout_s=600, connect_timeout_s=300))
+        spec = self.host.spec
         if kind == "ray":
             import ray
             self.peer = ray.remote(num_cpus=0)(_RayEngine).remote()
@@ -219,6 +220,7 @@ class TransportRun:
             self.cmd.put(None)
             self.proc.join(60)
         self.tx.close()
+        self.host.close()
 
 
 def overlaps(detail: dict) -> dict:

@@ -76,6 +76,13 @@ class SyncConfig:
     ``None``: not served (``WeightSync.serve_metrics`` can start it later)."""
     metrics_host: str = "127.0.0.1"
     """Address the metrics endpoint binds (``"0.0.0.0"``: every interface, for a scraper on another host)."""
+    bind_host: str = "127.0.0.1"
+    """Address every listener of a sync binds (never all interfaces): the ``"torch"`` transport's
+    rendezvous store and its gloo connections. Give an address the trainers and engines reach."""
+    port_range: tuple[int, int] | None = None
+    """Ports listeners may bind, ``(first, last)`` inclusive: each channel takes the first free one
+    (the ``"torch"`` transport's rendezvous store; gloo picks its own connection ports). ``None``: a
+    free port the OS picks, per channel."""
 
     def __post_init__(self) -> None:
         for name, kinds in _FIELD_TYPES.items():
@@ -102,6 +109,7 @@ class SyncConfig:
         if self.max_in_flight < 1 or self.max_staleness < 0:
             raise ValueError(f"SyncConfig.max_in_flight={self.max_in_flight} must be >= 1 and "
                              f"max_staleness={self.max_staleness} >= 0")
+        _check_listen(self.bind_host, self.port_range)
         if self.secret is not None:
             from sync_service.security import check_secret
 
@@ -119,7 +127,25 @@ _FIELD_TYPES: dict[str, tuple] = {
     "delta": (bool,), "max_in_flight": (int,), "max_staleness": (int,),
     "mode": (str,), "factor_memory_bytes": (int, None), "experts_per_recipe": (int,),
     "metrics_port": (int, None), "metrics_host": (str,),
+    "bind_host": (str,), "port_range": (tuple, None),
 }
+
+
+def _check_listen(bind_host: str, port_range: tuple[int, int] | None) -> None:
+    """Raises ValueError unless ``bind_host`` is a local address and ``port_range`` two ports, first <= last."""
+    import socket
+
+    if bind_host in ("", "0.0.0.0", "::"):
+        raise ValueError(f"SyncConfig.bind_host={bind_host!r} would listen on every interface; give this host's "
+                         "address that the trainers and engines reach (default 127.0.0.1)")
+    try:
+        socket.getaddrinfo(bind_host, None)
+    except OSError as exc:
+        raise ValueError(f"SyncConfig.bind_host={bind_host!r} does not resolve ({exc}); give an address of this host") from None
+    if port_range is not None and not (len(port_range) == 2 and all(type(p) is int and 1 <= p <= 65535 for p in port_range)
+                                       and port_range[0] <= port_range[1]):
+        raise ValueError(f"SyncConfig.port_range={port_range!r} must be (first, last) ports in [1, 65535] with "
+                         "first <= last, or None for a free port the OS picks")
 
 
 def _is_kind(value, kinds: tuple) -> bool:

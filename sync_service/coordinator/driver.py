@@ -31,7 +31,7 @@ from sync_service.coordinator.metrics import EngineResult, SyncError, SyncMetric
 from sync_service.coordinator.planning import build_sync_plan, validate_plan
 from sync_service.coordinator.versions import VersionBoard
 from sync_service.security import new_secret
-from sync_service.transports import TRANSPORTS, TransportSpec
+from sync_service.transports import TRANSPORTS, ChannelHost, TransportSpec, host_channel
 
 def _factor_coordination(config, trainers, get):
     """``FactorCoordination`` for ``SyncConfig.mode`` "factors" / "auto", ``None`` in merged mode."""
@@ -63,6 +63,7 @@ class Coordinator:
         self._secret = config.secret if config.secret is not None else new_secret()  # HMAC key of every bucket
         self._epoch = 0
         self._connected = False
+        self._host: ChannelHost | None = None  # what the open channel needs served here (torch: its store)
         self._factors = _factor_coordination(config, self.trainers, self._get)
         self._plan = self._build_plan()
         self._plan_bytes = encode(self._plan)
@@ -274,7 +275,9 @@ class Coordinator:
                              num_senders=len(self.trainers), num_receivers=len(self.engines),
                              bucket_bytes=self._plan.bucket_bytes, connect_timeout_s=self.config.timeout_s,
                              op_timeout_s=self.config.timeout_s)
-        raw = spec.to_bytes()
+        self._close_host()
+        self._host = host_channel(spec, bind_host=self.config.bind_host, port_range=self.config.port_range)
+        raw = self._host.spec.to_bytes()
         refs = [t.open_transport.remote(raw, self._plan_bytes, secret=self._secret) for t in self.trainers]
         refs += [e.open_transport.remote(raw, self._plan_bytes, i, secret=self._secret) for i, e in enumerate(self.engines)]
         self._get(refs, "open_transport")
@@ -309,6 +312,12 @@ class Coordinator:
         except Exception:
             pass
         self._connected = False
+        self._close_host()
+
+    def _close_host(self) -> None:
+        if self._host is not None:
+            self._host.close()
+            self._host = None
 
 
 def _short(exc: BaseException) -> str:

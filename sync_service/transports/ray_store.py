@@ -2,8 +2,16 @@
 
 Payloads travel as numpy uint8 arrays (Ray serializes them zero-copy; torch tensors take Ray's
 ~20x slower default path). The sender puts a bucket's numpy view once (one copy into the store, after
-which the bucket buffer is free again) and hands ``(header, [ref])`` to each receiver's mailbox;
+which the bucket buffer is free again) and hands ``(header, ref)`` to each receiver's mailbox;
 every receiver maps the same object read-only (zero copy) and drops it after applying.
+
+Object lifetime: the sender keeps no reference once the frame is in every mailbox; each receiver
+drops its own at ``release``, so an object is out of scope as soon as the last receiver released
+it (nothing waits for a sync to end). Ray then deletes out-of-scope objects in batches (raylet
+``free_objects_batch_size`` = 100 / ``free_objects_period_milliseconds`` = 1000): the store may
+show up to that many released objects awaiting deletion. Payloads up to ``INLINE_BYTES`` skip the
+object store: they travel inside the mailbox call (a copy per receiver, cheaper than an object for
+small buckets), so small buckets create no object at all.
 
 Mailboxes are small async actors named ``<name>-rx<receiver>`` (frames, depth ``spec.slots``: the
 flow control) and ``<name>-tx<sender>`` (replies), in namespace ``weightsync``. Each side creates
@@ -25,6 +33,9 @@ from sync_service.transports.spec import TransportSpec
 
 NAMESPACE = "weightsync"
 _POLL_S = 1.0  # receivers check their senders' liveness this often while waiting
+INLINE_BYTES = 64 << 10
+"""Payloads up to this size, bytes, travel inside the mailbox call instead of as an object (below
+Ray's own inlining threshold, ``max_direct_call_object_size`` = 100 KiB, with room for the header)."""
 
 
 @ray.remote(num_cpus=0, max_concurrency=64)
@@ -95,9 +106,14 @@ class RaySender:
         return self._receivers
 
     def send(self, header: bytes, payload, timeout_s: float) -> None:
-        refs = None if payload is None else [ray.put(payload)]
-        done = _get([mb.put.remote((header, refs), timeout_s) for mb in self._peers()], timeout_s + 5.0,
+        """Blocks until every receiver's mailbox took the frame; ``payload`` may be reused then."""
+        if payload is None or len(payload) <= INLINE_BYTES:
+            body = payload  # copied into each call's arguments at submission
+        else:
+            body = ray.put(payload)  # one copy into the store; dropped here once every mailbox holds it
+        done = _get([mb.put.remote((header, body), timeout_s) for mb in self._peers()], timeout_s + 5.0,
                     "Ray mailbox put")
+        del body
         if not all(done):
             raise TimeoutError(f"Ray transport {self.spec.name}: a receiver did not take a frame within {timeout_s:.1f}s")
 
@@ -146,13 +162,16 @@ class RayReceiver:
             if self._senders is not None:  # known once a frame came: check they still live
                 _get([p.ping.remote() for p in self._senders], 5.0, "Ray sender liveness")
         self._peers()
-        header, refs = item
-        payload = None if refs is None else _get(refs[0], max(end - time.monotonic(), 1.0), "Ray object get")
-        self._held.append(payload)
-        return header, payload
+        header, body = item
+        del item
+        if isinstance(body, ray.ObjectRef):
+            body = _get(body, max(end - time.monotonic(), 1.0), "Ray object get")  # zero copy: pins the object
+        self._held.append(body)
+        return header, body
 
     def release(self) -> None:
-        """Drops the oldest held frame's object (no-op when none is held)."""
+        """Drops the oldest held frame's object: out of scope once every receiver released it
+        (no-op when none is held)."""
         if self._held:
             self._held.popleft()
 

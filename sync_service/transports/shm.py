@@ -1,6 +1,6 @@
 """Same-host shared-memory ring: one mapped /dev/shm file per sender, reused for every frame.
 
-Layout of segment ``/dev/shm/<name>-s<sender>`` (all counters little-endian u64):
+Layout of segment ``/dev/shm/weightsync-<name>-s<sender>`` (all counters little-endian u64):
 
     [0, 4096)                 global: magic, slots, slot_payload, header_cap, receivers, write_seq,
                               sender_pid, closed
@@ -14,8 +14,14 @@ The sender writes frame ``n`` into slot ``n % slots`` once every receiver's ``re
 of the next frame's slot, the caller fills it (the bucket *is* the slot) and ``send``s that view,
 which publishes it without a copy. A receiver may hold up to ``slots`` frames unreleased
 (``max_held``; ``release`` frees the oldest), so it can verify frame n+1 while applying frame n. Stores are ordered by x86-64's TSO (counters are written after data).
-The file is unlinked as soon as every receiver has mapped it (and on close), so no segment outlives
-its processes. Peers' pids are checked while waiting: a dead peer fails within ~0.2 s.
+Peers' pids are checked while waiting: a dead peer fails within ~0.2 s.
+
+No segment outlives its session. The name exists only while receivers attach: the last receiver to
+map the segment unlinks it (mappings live on, the memory goes with the last process holding one).
+The sender unlinks it on ``close``, when it is collected or the interpreter exits
+(``weakref.finalize``), and ``connect_timeout_s`` + 1 s after creating it if a receiver never came
+(a failed open). A sender killed before any of that (SIGKILL, ``ray.shutdown``) leaves a segment
+whose header names a dead pid: every new ``ShmSender`` removes those first (``sweep_orphans``).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import mmap
 import os
 import threading
 import time
+import weakref
 from collections import deque
 
 import numpy as np
@@ -37,10 +44,53 @@ REPLY = 64 << 10
 _G_MAGIC, _G_SLOTS, _G_PAYLOAD, _G_HCAP, _G_RECV, _G_WSEQ, _G_PID, _G_CLOSED = range(8)
 _R_READ, _R_PID, _R_RSEQ, _R_RACK, _R_RLEN = range(5)
 _LIVENESS_S = 0.2
+SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "weightsync-"
+"""Every segment's file name starts with this (``weightsync-<spec.name>-s<sender>``)."""
+_STAGING = ".init-"
 
 
 def _path(spec: TransportSpec, sender: int) -> str:
-    return f"/dev/shm/{spec.name}-s{sender}"
+    return f"{SHM_DIR}/{SEGMENT_PREFIX}{spec.name}-s{sender}"
+
+
+def segment_owner(path: str) -> int | None:
+    """The pid of the sender that created the segment at ``path`` (``None``: not a ring segment
+    or unreadable). A staging file (``<path>.init-<pid>``) names its creator in its name."""
+    head, sep, pid = path.rpartition(_STAGING)
+    if sep and pid.isdigit():
+        return int(pid)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        head = os.pread(fd, 64, 0)
+    finally:
+        os.close(fd)
+    g = np.frombuffer(head, dtype=np.uint64) if len(head) == 64 else None
+    return int(g[_G_PID]) if g is not None and int(g[_G_MAGIC]) == MAGIC else None
+
+
+def sweep_orphans() -> list[str]:
+    """Unlink every segment in ``SHM_DIR`` whose creator died without removing it; returns their paths."""
+    removed = []
+    for entry in os.listdir(SHM_DIR):
+        path = f"{SHM_DIR}/{entry}"
+        if entry.startswith(SEGMENT_PREFIX) and (pid := segment_owner(path)) is not None and not _alive(pid):
+            _unlink(path)
+            removed.append(path)
+    return removed
+
+
+def _unlink(path: str, inode: int | None = None) -> None:
+    """Remove ``path`` (when ``inode`` is given: only while it still names that file, not a newer
+    segment that took the name)."""
+    try:
+        if inode is None or os.stat(path).st_ino == inode:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _alive(pid: int) -> bool:
@@ -94,30 +144,44 @@ def _sleep(spins: int) -> None:
 
 
 class ShmSender:
-    """Sender side: creates the segment ``/dev/shm/<name>-s<sender>``."""
+    """Sender side: creates the segment ``/dev/shm/weightsync-<name>-s<sender>``."""
 
     def __init__(self, spec: TransportSpec, sender: int = 0):
         self.spec, self.sender, self.path = spec, sender, _path(spec, sender)
-        # Sized under a private name, then published with link() (atomic, and fails if the name is
-        # taken): a receiver polling for the path never sees a half-created, 0-byte segment.
-        staging = f"{self.path}.init-{os.getpid()}"
-        fd = os.open(staging, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.ftruncate(fd, _Segment.size(spec))
-            mm = mmap.mmap(fd, _Segment.size(spec))
-            os.link(staging, self.path)
-        finally:
-            os.close(fd)
-            os.unlink(staging)
+        sweep_orphans()
+        mm, inode = self._create()
         self.seg = _Segment(mm, spec)
-        self.seg.buf[:] = 0  # touch every page once, here
-        g = self.seg.g
-        g[_G_SLOTS], g[_G_PAYLOAD], g[_G_HCAP], g[_G_RECV] = spec.slots, spec.bucket_bytes, spec.max_header_bytes, spec.num_receivers
-        g[_G_PID] = os.getpid()
-        g[_G_MAGIC] = MAGIC
+        # Removes the name however this sender ends (close, collection, interpreter exit), or once
+        # the receivers had their connect window and did not all come.
+        self._finalizer = weakref.finalize(self, _unlink, self.path, inode)
+        self._deadline = threading.Timer(spec.connect_timeout_s + 1.0, _unlink, (self.path, inode))
+        self._deadline.daemon = True
+        self._deadline.start()
         self._unlinked = False
         self._reply_from = 0
         self._next = 0  # next frame number to reserve or send (write_seq + frames reserved, unpublished)
+
+    def _create(self) -> tuple[mmap.mmap, int]:
+        """The mapped, initialised segment and its inode, published at ``self.path`` only once complete: sized and
+        filled under a private name, then linked (atomic, fails if the name is taken), so a receiver
+        polling for the path never sees a half-created segment."""
+        spec, staging = self.spec, f"{self.path}{_STAGING}{os.getpid()}"
+        size = _Segment.size(spec)
+        fd = os.open(staging, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size)
+            g = np.frombuffer(mm, dtype=np.uint8, count=64).view(np.uint64)
+            np.frombuffer(mm, dtype=np.uint8)[:] = 0  # touch every page once, here
+            g[_G_SLOTS], g[_G_PAYLOAD], g[_G_HCAP] = spec.slots, spec.bucket_bytes, spec.max_header_bytes
+            g[_G_RECV], g[_G_PID], g[_G_MAGIC] = spec.num_receivers, os.getpid(), MAGIC
+            del g
+            os.link(staging, self.path)
+            inode = os.fstat(fd).st_ino
+        finally:
+            os.close(fd)
+            os.unlink(staging)
+        return mm, inode
 
     @property
     def num_receivers(self) -> int:
@@ -192,10 +256,8 @@ class ShmSender:
 
     def _unlink(self) -> None:
         self._unlinked = True
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        self._deadline.cancel()
+        self._finalizer()
 
     def close(self) -> None:
         if self.seg is None:
@@ -242,11 +304,12 @@ class ShmReceiver:
             seg = _Segment(mmap.mmap(fd, size), self.spec)
         finally:
             os.close(fd)
-        while int(seg.g[_G_MAGIC]) != MAGIC:
-            if time.monotonic() >= end:
-                raise TimeoutError(f"shm segment {path} not initialised within {self.spec.connect_timeout_s}s")
-            time.sleep(0.001)
+        if int(seg.g[_G_MAGIC]) != MAGIC:
+            seg.close()
+            raise TransportError(f"shm segment {path} is not a weightsync ring (bad magic)")
         seg.rc[self.receiver][_R_PID] = os.getpid()
+        if all(int(rc[_R_PID]) for rc in seg.rc):
+            _unlink(path)  # the last receiver in: nothing needs the name any more
         return seg
 
     def recv(self, timeout_s: float):

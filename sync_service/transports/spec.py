@@ -7,7 +7,8 @@ A coordinator makes one spec per channel and ships ``spec.to_bytes()`` to the tr
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import msgpack
 
@@ -59,9 +60,13 @@ class TransportSpec:
     connect_timeout_s: float = 60.0
     """How long opening a side waits for its peers (segment, mailbox, rendezvous)."""
     address: str = "127.0.0.1"
-    """``torch_dist``: TCPStore host (the sender hosts it)."""
-    port: int = 29600
-    """``torch_dist``: TCPStore port."""
+    """``torch_dist``: host of the rendezvous store; gloo binds its connections to it too."""
+    port: int = 0
+    """``torch_dist``: port of the rendezvous store (``host_channel`` starts one and fills it in;
+    0: not hosted yet)."""
+    auth_key: bytes = field(default_factory=lambda: os.urandom(32), repr=False)
+    """``torch_dist``: key a process must prove to the rendezvous store (HMAC challenge); random per
+    spec, so only the processes handed this spec can join the channel. Never printed."""
     backend: str = "gloo"
     """``torch_dist``: ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors)."""
     op_timeout_s: float = 60.0
@@ -75,6 +80,10 @@ class TransportSpec:
         for f in ("num_senders", "num_receivers", "bucket_bytes", "max_header_bytes", "slots"):
             if type(getattr(self, f)) is not int or getattr(self, f) < 1:
                 raise ValueError(f"TransportSpec.{f}={getattr(self, f)!r} must be an int >= 1")
+        if type(self.port) is not int or not 0 <= self.port <= 65535:
+            raise ValueError(f"TransportSpec.port={self.port!r} must be an int in [0, 65535]")
+        if not isinstance(self.auth_key, bytes) or len(self.auth_key) < 16:
+            raise ValueError("TransportSpec.auth_key must be bytes of >= 16 (default: a fresh random key)")
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"TransportSpec.backend={self.backend!r}; use 'gloo' or 'nccl'")
 

@@ -1,8 +1,10 @@
 """torch.distributed broadcast transport, in a dedicated process group (not the default group).
 
-Rendezvous: a ``TCPStore`` at ``spec.address:spec.port`` hosted by the sender (rank 0; receiver
-``i`` is rank ``i + 1``), keys prefixed by ``spec.name``; the group is a standalone
-``ProcessGroupGloo`` (or ``ProcessGroupNCCL``) on it, so a trainer's own default group is untouched.
+Rendezvous: the authenticated store at ``spec.address:spec.port`` (``store.StoreServer``, started
+by the channel's maker with ``host_channel``; only holders of ``spec.auth_key`` get in), keys
+prefixed by ``spec.name``. The sender is rank 0, receiver ``i`` rank ``i + 1``; the group is a
+standalone ``ProcessGroupGloo`` (or ``ProcessGroupNCCL``) on that store, so a trainer's own default
+group is untouched, and gloo binds its connections to ``spec.address`` only.
 
 A frame is one broadcast of a fixed ``CTRL_BYTES`` control block from rank 0 (header length,
 payload length, whether more frames of this stream follow, then the header itself; a header that
@@ -10,7 +12,7 @@ does not fit follows in a second broadcast), then the payload into one of ``spec
 preallocated receive buffers. A receiver thread receives ahead: while the caller verifies and
 applies frame k (holding its buffer), frame k+1 already streams into the next buffer, until the
 sender's ``Commit``/``Abort`` ends the stream. Nothing is allocated per frame. Replies go through
-the TCPStore (``reply/<receiver>/<n>`` + a counter). One sender only. With NCCL, payloads are
+the store's ``reply`` queue. One sender only. With NCCL, payloads are
 staged through preallocated device buffers (one copy each way).
 
 Every wait has a timeout (``Work.wait``); a timed-out or failed collective leaves the group out of
@@ -20,7 +22,6 @@ step, so the transport is then marked broken and every later call raises ``Trans
 from __future__ import annotations
 
 import queue
-import socket
 import threading
 import time
 from collections import deque
@@ -33,6 +34,7 @@ import torch.distributed as dist
 
 from protocols.interfaces import PeerLostError, TransportError
 from sync_service.transports.spec import TransportSpec
+from sync_service.transports.store import StoreClient
 
 _GROUPS = {"gloo": (dist.ProcessGroupGloo, "cpu"), "nccl": (getattr(dist, "ProcessGroupNCCL", None), "cuda")}
 CTRL_BYTES = 16 << 10
@@ -54,21 +56,6 @@ def _more_follows(header: bytes) -> bool:
         return False
 
 
-def _listen(address: str, port: int) -> int:
-    """A listening TCP socket bound to ``address:port`` only; returns its fd, owned by the caller
-    (``TCPStore(master_listen_fd=...)`` takes it over)."""
-    family = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0][0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((address, port))
-        sock.listen(128)
-    except OSError as exc:
-        sock.close()
-        raise TransportError(f"torch_dist: cannot listen on {address}:{port}: {exc}; pick a free port") from None
-    return sock.detach()
-
-
 class _Group:
     """Store + process group + preallocated buffers of one side."""
 
@@ -79,25 +66,34 @@ class _Group:
         cls, self.device = _GROUPS[spec.backend]
         if cls is None:
             raise ValueError(f"backend {spec.backend!r} is not available in this torch build")
+        if not spec.port:
+            raise ValueError(f"torch_dist spec {spec.name!r} has no rendezvous port; start its store with "
+                             "sync_service.transports.host_channel(spec) and ship host.spec")
         self.spec, self.rank, self.world = spec, rank, spec.num_receivers + 1
-        # Listen on spec.address only: by itself TCPStore binds every interface ("::"), and gloo
-        # binds the address the host name resolves to.
-        listen_fd = _listen(spec.address, spec.port) if rank == 0 else None
-        base = dist.TCPStore(spec.address, spec.port, self.world, rank == 0,
-                             timeout=timedelta(seconds=spec.connect_timeout_s), master_listen_fd=listen_fd)
-        self.store = dist.PrefixStore(f"weightsync/{spec.name}/", base)
-        self._base = base
-        if spec.backend == "gloo":
-            options = dist.ProcessGroupGloo._Options()
-            options._devices = [dist.ProcessGroupGloo.create_device(hostname=spec.address)]
-            options._timeout = timedelta(seconds=spec.op_timeout_s)
-            self.pg = cls(self.store, rank, self.world, options)
-        else:
-            self.pg = cls(self.store, rank, self.world, timedelta(seconds=spec.op_timeout_s))
+        self.client = StoreClient(spec.address, spec.port, spec.auth_key, spec.connect_timeout_s)
+        self.store = dist.PrefixStore(f"{spec.name}/", self.client)
+        try:
+            self.pg = self._group(cls)
+        except BaseException:
+            self.client.close()
+            raise
         self.ctrl = torch.zeros(CTRL_BYTES, dtype=torch.uint8, device=self.device)
         self.ctrl_host = self.ctrl if self.device == "cpu" else torch.zeros(CTRL_BYTES, dtype=torch.uint8)
         self.header = torch.zeros(spec.max_header_bytes, dtype=torch.uint8, device=self.device)
         self.broken: str | None = None
+
+    def _group(self, cls):
+        spec = self.spec
+        try:
+            if spec.backend == "gloo":  # bound to the spec's address (by itself: where the host name resolves)
+                options = dist.ProcessGroupGloo._Options()
+                options._devices = [dist.ProcessGroupGloo.create_device(hostname=spec.address)]
+                options._timeout = timedelta(seconds=spec.op_timeout_s)
+                return cls(self.store, self.rank, self.world, options)
+            return cls(self.store, self.rank, self.world, timedelta(seconds=spec.op_timeout_s))
+        except (RuntimeError, TimeoutError) as exc:  # c10d wraps the store's errors
+            raise TransportError(f"torch_dist {spec.name}: rank {self.rank} could not join the group within "
+                                 f"{spec.connect_timeout_s:.1f}s: {str(exc)[:300]}") from None
 
     def bcast(self, t: torch.Tensor, timeout_s: float, what: str) -> None:
         if self.broken:
@@ -112,19 +108,18 @@ class _Group:
             raise PeerLostError(f"torch_dist {self.spec.name}: {what} failed: {text[:500]}") from None
 
     def close(self) -> None:
-        self.pg = self.store = self._base = None
+        self.client.close()
+        self.pg = self.store = None
 
 
 class DistSender:
-    """Sender side (rank 0, hosts the TCPStore)."""
+    """Sender side (rank 0)."""
 
     def __init__(self, spec: TransportSpec, sender: int = 0):
         self.g = _Group(spec, 0)
         self._ctrl = self.g.ctrl_host.numpy()
         self._words = self._ctrl[:_CTRL_HEAD].view(np.uint64)
         self._stage = None if self.g.device == "cpu" else torch.empty(spec.bucket_bytes, dtype=torch.uint8, device=self.g.device)
-        self._seen = [0] * spec.num_receivers
-        self._from = 0
 
     @property
     def num_receivers(self) -> int:
@@ -153,20 +148,9 @@ class DistSender:
             g.bcast(src, end - time.monotonic(), "payload")
 
     def poll_reply(self, timeout_s: float) -> bytes | None:
-        end = time.monotonic() + timeout_s
-        while True:
-            for k in range(self.num_receivers):
-                r = (self._from + k) % self.num_receivers
-                if self.g.store.add(f"reply/{r}/n", 0) > self._seen[r]:
-                    key = f"reply/{r}/{self._seen[r]}"
-                    msg = self.g.store.get(key)
-                    self.g.store.delete_key(key)
-                    self._seen[r] += 1
-                    self._from = r + 1
-                    return msg
-            if time.monotonic() >= end:
-                return None
-            time.sleep(0.001)
+        if self.g.broken:
+            raise TransportError(f"torch_dist {self.g.spec.name} is broken ({self.g.broken}); open a new spec")
+        return self.g.client.pop("reply", timeout_s)
 
     def close(self) -> None:
         self.g.close()
@@ -180,7 +164,6 @@ class DistReceiver:
             raise ValueError(f"receiver={receiver} outside [0, {spec.num_receivers})")
         self.receiver = receiver
         self.g = _Group(spec, receiver + 1)
-        self._sent = 0
         nbuf = max(2, spec.slots)
         self._bufs = [torch.ones(spec.bucket_bytes, dtype=torch.uint8, device=self.g.device) for _ in range(nbuf)]
         self._host = None if self.g.device == "cpu" else [torch.empty(spec.bucket_bytes, dtype=torch.uint8, pin_memory=True)
@@ -270,9 +253,7 @@ class DistReceiver:
                     raise TimeoutError(f"torch_dist {self.g.spec.name}: no receive buffer released within {timeout_s:.1f}s") from None
 
     def reply(self, message: bytes, timeout_s: float) -> None:
-        self.g.store.set(f"reply/{self.receiver}/{self._sent}", message)
-        self._sent += 1
-        self.g.store.add(f"reply/{self.receiver}/n", 1)
+        self.g.client.push("reply", message)
 
     def close(self) -> None:
         self._closed = True

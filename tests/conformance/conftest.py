@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import shutil
-import socket
 import tempfile
 import uuid
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from sync_service.transports import TransportSpec, open_sender
+from sync_service.transports import TransportSpec, host_channel, open_sender
 from tests.conformance.peers import EnginePeer
 
 ROOT = str(Path(__file__).resolve().parents[2])
@@ -39,23 +38,21 @@ def engines(ray_cluster):
         ray.kill(p)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def make_spec(kind: str, num_receivers: int = 1, num_senders: int = 1, **kw) -> TransportSpec:
     return TransportSpec(kind=kind, name="c" + uuid.uuid4().hex[:10], num_receivers=num_receivers,
                          num_senders=num_senders, bucket_bytes=BUCKET_BYTES, max_header_bytes=64 << 10,
-                         port=free_port(), connect_timeout_s=30.0, op_timeout_s=30.0, **kw)
+                         connect_timeout_s=30.0, op_timeout_s=30.0, **kw)
 
 
 class Channel:
-    """Sender side(s) in this process, receiver sides in engine actors."""
+    """Sender side(s) in this process, receiver sides in engine actors; this process hosts the
+    channel (``host_channel``: torch_dist's rendezvous store) until ``close``, or uses ``host``
+    (then its caller closes it). ``spec``: the hosted spec to hand any other side."""
 
-    def __init__(self, spec: TransportSpec, peers, senders_here: bool = True):
-        self.spec, self.peers = spec, peers
+    def __init__(self, spec: TransportSpec, peers, senders_here: bool = True, host=None):
+        self.host, self._own_host = host or host_channel(spec), host is None
+        self.spec = spec = self.host.spec
+        self.peers = peers
         opening = [p.open.remote(spec.to_bytes(), i) for i, p in enumerate(peers)]
         self.txs = [open_sender(spec, s) for s in range(spec.num_senders)] if senders_here else []
         ray.get(opening, timeout=60)
@@ -64,6 +61,8 @@ class Channel:
         for tx in self.txs:
             tx.close()
         ray.get([p.close.remote() for p in self.peers], timeout=30)
+        if self._own_host:
+            self.host.close()
 
 
 @pytest.fixture(scope="module", params=KINDS)

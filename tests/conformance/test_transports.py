@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from protocols.interfaces import PeerLostError
 from protocols.wire import encode
+from sync_service.transports import host_channel
 from sync_service.streaming import (
     BucketPool, RemoteSyncError, Sender, TensorSource, build_plan, combine_plans,
 )
@@ -143,6 +144,7 @@ MANY = [(f"w{i}", "float32", [16], False) for i in range(200)]
 @pytest.mark.parametrize("kind", KINDS)
 def test_receiver_dies_sender_fails_within_timeout(ray_cluster, kind):
     victim = EnginePeer.remote()
+    ray.get(victim.pid.remote(), timeout=300)  # started (slow on a loaded machine) before the connect window opens
     ch = Channel(make_spec(kind), [victim])
     try:
         load(ch, MANY, 0)
@@ -160,14 +162,15 @@ def test_receiver_dies_sender_fails_within_timeout(ray_cluster, kind):
     finally:
         for tx in ch.txs:
             tx.close()
+        ch.host.close()
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_sender_dies_receiver_fails_within_timeout(engines, kind):
-    spec = make_spec(kind)
+    host = host_channel(make_spec(kind))
     trainer = TrainerPeer.remote()
-    opened = trainer.open.remote(spec.to_bytes())
-    ch = Channel(spec, engines[:1], senders_here=False)
+    opened = trainer.open.remote(host.spec.to_bytes())
+    ch = Channel(host.spec, engines[:1], senders_here=False, host=host)
     try:
         src, plan = load(ch, MANY, 0)
         ray.get(opened, timeout=60)
@@ -181,6 +184,7 @@ def test_sender_dies_receiver_fails_within_timeout(engines, kind):
         assert ray.get(engines[0].state.remote())[0] is None
     finally:
         ch.close()
+        host.close()
 
 
 @pytest.mark.parametrize("kind", ["shm", "ray"])

@@ -4,7 +4,6 @@ listening only on the address they are given, secrets read only from safe files.
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import uuid
 
@@ -18,7 +17,7 @@ from protocols.wire_check import decode
 from sync_service.api import SyncConfig, WeightSync
 from sync_service.security import SECRET_FILE_ENV, fingerprint, new_secret, read_secret_file, resolve_secret
 from sync_service.streaming import TensorSource, build_plan
-from sync_service.transports import TransportSpec, open_sender
+from sync_service.transports import ChannelHost, TransportSpec, host_channel, open_sender
 from tests.conformance.peers import forge_frames
 from tests.faults import inject
 from tests.faults.conftest import TIMEOUT_S, assert_equal_state, engine_state
@@ -29,16 +28,11 @@ pytestmark = pytest.mark.faults
 SECRET = new_secret()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spec_for(kind: str, bucket_bytes: int) -> TransportSpec:
-    return TransportSpec(kind=kind, name="r" + uuid.uuid4().hex[:10], bucket_bytes=bucket_bytes,
-                         max_header_bytes=64 << 10, port=free_port(), address="127.0.0.1",
-                         connect_timeout_s=TIMEOUT_S * 3, op_timeout_s=TIMEOUT_S)
+def spec_for(kind: str, bucket_bytes: int) -> ChannelHost:
+    """A hosted channel (torch_dist: its rendezvous store, on 127.0.0.1); the caller closes it."""
+    return host_channel(TransportSpec(kind=kind, name="r" + uuid.uuid4().hex[:10], bucket_bytes=bucket_bytes,
+                                      max_header_bytes=64 << 10, connect_timeout_s=TIMEOUT_S * 3,
+                                      op_timeout_s=TIMEOUT_S))
 
 
 def listening(pid_or_self) -> set[tuple[str, int]]:
@@ -70,8 +64,9 @@ def test_rogue_sender_without_the_secret_gets_nothing_applied(pool, kind):
     plan = build_plan(source.param_metas(), bucket_bytes=64 << 10)
     engine_pid = ray.get(engine.__ray_call__.remote(inject.pid), timeout=30)
     for attempt, (secret, expect_ok) in enumerate([(None, False), (new_secret(), False), (SECRET, True)]):
-        spec = spec_for(kind, plan.bucket_bytes)
         before_here, before_engine = listening(os.getpid()), listening(engine_pid)
+        host = spec_for(kind, plan.bucket_bytes)
+        spec = host.spec
         opening = engine.open_transport.remote(spec.to_bytes(), encode(plan), 0, secret=SECRET)
         tx = open_sender(spec, 0)
         try:
@@ -96,6 +91,7 @@ def test_rogue_sender_without_the_secret_gets_nothing_applied(pool, kind):
         finally:
             ray.get(engine.close_transport.remote(), timeout=30)
             tx.close()
+            host.close()
 
 
 def test_weightsync_generates_a_per_session_secret(pool):

@@ -1,6 +1,9 @@
 """500 consecutive syncs of the tiny model (delta syncs, a training step every 25): the trainer's and
 the engine's resident memory stay within a small bound, and no Ray object or /dev/shm segment is
-left behind. Then 150 syncs over the Ray object-store transport: the object store does not grow."""
+left behind. Then 150 syncs over the Ray object-store transport: its small buckets travel inside the
+mailbox calls, so the object store holds none of them at any sample, and none afterwards.
+CI runs this module next to a CPU-bound process (``.ci/run``): the bounds hold because nothing
+piles up, not because the machine is quiet."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import time
 import pytest
 
 from sync_service.api import SyncConfig, WeightSync
+from sync_service.transports.shm import SEGMENT_PREFIX, SHM_DIR
 from tests.faults import inject
 from tests.faults.conftest import Replay, assert_equal_state
 
@@ -22,8 +26,10 @@ WARMUP = 50
 RSS_GROWTH_BOUND = 8 << 20
 """Allowed RSS growth of the trainer and the engine process over SYNCS - WARMUP = 450 syncs, bytes:
 under 18 KiB per sync (measured: 0.1-0.6 MiB in all, allocator noise)."""
-PLASMA_OBJECTS_BOUND = 64
-"""Objects in the Ray object store at any sample during 150 syncs over the Ray transport."""
+PLASMA_OBJECTS_BOUND = 2
+"""Objects in the Ray object store at any sample during 150 syncs over the Ray transport: its 4 KiB
+buckets are below ``ray_store.INLINE_BYTES`` and create none (measured: 0; before, one object per
+bucket awaited Ray's batched deletion: 84-94)."""
 
 
 def rss(pid: int) -> int:
@@ -33,7 +39,7 @@ def rss(pid: int) -> int:
 
 
 def shm_segments() -> set[str]:
-    return {f for f in os.listdir("/dev/shm") if f.startswith("ws")}
+    return {f for f in os.listdir(SHM_DIR) if f.startswith(SEGMENT_PREFIX)}
 
 
 def plasma_objects() -> tuple[int, float]:
@@ -86,6 +92,4 @@ def test_500_syncs_bounded_memory_no_leaked_objects_or_segments(pool):
     finally:
         sync.close()
     print(f"ray transport: plasma (objects, MiB) every 25 syncs: {counts}")
-    # objects are freed when Ray's reference counting catches up (tens in flight, any time): one
-    # leaked per sync would pass 100 by the end
-    assert max(c[0] for c in counts) < PLASMA_OBJECTS_BOUND and max(c[1] for c in counts) < 8, counts
+    assert max(c[0] for c in counts) <= PLASMA_OBJECTS_BOUND and max(c[1] for c in counts) < 1, counts
