@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 
 import pytest
 import ray
@@ -12,10 +13,10 @@ from hypothesis import strategies as st
 
 from protocols.interfaces import PeerLostError
 from protocols.wire import encode
-from sync_service.transports import host_channel
 from sync_service.streaming import (
     BucketPool, RemoteSyncError, Sender, TensorSource, build_plan, combine_plans,
 )
+from sync_service.transports import TransportSpec, host_channel
 from tests.conformance.conftest import BUCKET_BYTES, KINDS, Channel, make_spec
 from tests.conformance.peers import (
     EnginePeer, SlowSource, TrainerPeer, forge_frames, make_tensors, raw_bytes,
@@ -212,5 +213,53 @@ def test_two_senders_one_receiver(engines, kind):
         res = ray.get(future, timeout=30)
         assert not errors and res["ok"], (errors, res)
         assert_state(engines[0], tensors, 3)
+    finally:
+        ch.close()
+
+
+def plasma_objects() -> int:
+    """Objects in the Ray object store (Ray's memory summary)."""
+    import re
+
+    from ray._private.internal_api import memory_summary
+
+    text = memory_summary(address=ray.get_runtime_context().gcs_address, stats_only=True)
+    return int(re.search(r"Plasma memory usage \d+ MiB, (\d+) objects", text).group(1))
+
+
+def test_ray_objects_released_with_the_frames(engines):
+    """Ray transport: buckets up to ``INLINE_BYTES`` create no object; larger ones create one each,
+    dropped by every side once the receivers released it, so after 10 syncs of 20 such buckets to two
+    engines the store is back where it started within Ray's batched deletion (1 s period)."""
+    from sync_service.transports.ray_store import INLINE_BYTES
+
+    big = [(f"w{i}", "float32", [INLINE_BYTES // 4 + 16], False) for i in range(20)]  # one bucket each
+    bucket = 2 * INLINE_BYTES
+    spec = TransportSpec(kind="ray", name="o" + uuid.uuid4().hex[:10], num_receivers=2, bucket_bytes=bucket,
+                         connect_timeout_s=30.0, op_timeout_s=30.0)
+    ch = Channel(spec, engines)
+    try:
+        src = TensorSource(make_tensors(big, 1))
+        plan = build_plan(src.param_metas(), bucket_bytes=bucket)
+        ray.get([p.load.remote(encode(plan), big, 0) for p in engines], timeout=30)
+        base = plasma_objects()
+        sender = Sender(ch.txs[0], BucketPool(bucket_bytes=bucket))
+        for v in range(1, 11):
+            futures = [p.receive.remote(30.0) for p in engines]
+            assert sender.send_sync(f"o{v}", v, src, plan, timeout_s=30).buckets == 20
+            assert all(r["ok"] for r in ray.get(futures, timeout=60))
+        end = time.monotonic() + 15.0
+        while (left := plasma_objects()) > base and time.monotonic() < end:
+            time.sleep(0.2)
+        assert left <= base, f"{left} objects left in the store (was {base} before 200 buckets)"
+        for p in engines:
+            assert_state(p, src.tensors, 10)
+        small = (f"s{uuid.uuid4().hex[:4]}", "float32", [64], False)
+        ray.get([p.load.remote(encode(build_plan(TensorSource(make_tensors([small], 0)).param_metas(),
+                                                  bucket_bytes=bucket)), [small], 0) for p in engines], timeout=30)
+        small_src = TensorSource(make_tensors([small], 2))
+        futures = [p.receive.remote(30.0) for p in engines]
+        sender.send_sync("small", 11, small_src, build_plan(small_src.param_metas(), bucket_bytes=bucket), timeout_s=30)
+        assert all(r["ok"] for r in ray.get(futures, timeout=60)) and plasma_objects() <= base
     finally:
         ch.close()
