@@ -39,7 +39,7 @@ def _default_targets(spec: FamilySpec, kind: str) -> tuple[list[str], list[str]]
     if kind == "dense":
         return [*spec.attention, *spec.dense_mlp, "lm_head"], [f"{spec.router}.weight"]
     if kind == "target_parameters":
-        return list(spec.attention), ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+        return list(spec.attention), [f"{spec.experts}.gate_up_proj", f"{spec.experts}.down_proj"]
     if kind == "legacy":
         assert spec.legacy_experts is not None
         leaves = dict.fromkeys([*spec.attention, *spec.legacy_experts[1]])
@@ -67,9 +67,11 @@ def _randomize_adapter_(model: torch.nn.Module, *, seed: int, init_scale: float)
 
 
 def _load_base(base_dir: Path):
-    from transformers import AutoModelForCausalLM
+    """The checkpoint in fp32, with the class its config names (``architectures``; a VL model is no causal LM)."""
+    import transformers
 
-    return AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    arch = json.loads((base_dir / "config.json").read_text()).get("architectures") or ["AutoModelForCausalLM"]
+    return getattr(transformers, arch[0]).from_pretrained(str(base_dir), dtype=torch.float32)
 
 
 def make_adapter(

@@ -107,7 +107,7 @@ def make_base(
     Raises:
         ValueError: unknown family or dtype, bad sizes.
     """
-    from transformers import AutoModelForCausalLM
+    import transformers
 
     target_dtype = torch_dtype(dtype)
     config = build_config(
@@ -119,7 +119,8 @@ def make_base(
         vocab_size=vocab_size,
         tie_word_embeddings=tie_word_embeddings,
     )
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    cls = getattr(transformers, family_spec(family).model_class)
+    model = (cls.from_config if hasattr(cls, "from_config") else cls._from_config)(config, dtype=torch.float32)
     randomize_(model, seed=seed, scale=scale)
     model.to(target_dtype)
     model.config.dtype = target_dtype

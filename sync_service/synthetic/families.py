@@ -9,74 +9,11 @@ Verified against transformers 5.19 and PEFT 0.21.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from sync_service.synthetic.family_types import GUD as _GUD
+from sync_service.synthetic.family_types import QKVO as _QKVO
+from sync_service.synthetic.family_types import FamilySpec, Sizes, common as _common
+from sync_service.synthetic.families_more import MORE_FAMILIES
 
-
-@dataclass(frozen=True, slots=True)
-class Sizes:
-    """Sizes of a synthetic model.
-
-    Attributes:
-        hidden: H, the residual width; must be a multiple of 4.
-        intermediate: I, the expert (and dense / shared expert) intermediate width.
-        num_experts: E, routed experts per MoE layer.
-        num_layers: decoder layers.
-        vocab_size: tokens in the vocabulary (and the synthetic tokenizer).
-        tie_word_embeddings: whether ``lm_head.weight`` is ``model.embed_tokens.weight``.
-    """
-
-    hidden: int
-    intermediate: int
-    num_experts: int
-    num_layers: int
-    vocab_size: int
-    tie_word_embeddings: bool
-
-
-@dataclass(frozen=True, slots=True)
-class FamilySpec:
-    """What the generators need to know about one model family.
-
-    Attributes:
-        model_type: transformers ``model_type`` (``AutoConfig.for_model`` key).
-        config_kwargs: ``Sizes`` → family-specific config keywords.
-        attention: leaf names of the attention projections (``nn.Linear``).
-        dense_mlp: leaf names of the dense MLP / shared expert ``nn.Linear`` projections that PEFT can
-            target on the fused model, empty if none.
-        router: in-memory name of the router module under a layer (``mlp.gate``; gpt_oss ``mlp.router``).
-        legacy_experts: on-disk per-expert module prefix under a layer and its (gate, up, down) leaf
-            names, as a pre-fusion PEFT adapter names them; ``None`` where experts are stored fused.
-    """
-
-    model_type: str
-    config_kwargs: Callable[[Sizes], dict[str, Any]]
-    attention: tuple[str, ...]
-    dense_mlp: tuple[str, ...]
-    router: str
-    legacy_experts: tuple[str, tuple[str, str, str]] | None
-
-
-def _common(s: Sizes) -> dict[str, Any]:
-    return dict(
-        vocab_size=s.vocab_size,
-        hidden_size=s.hidden,
-        num_hidden_layers=s.num_layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=s.hidden // 2,
-        max_position_embeddings=128,
-        num_experts_per_tok=2,
-        tie_word_embeddings=s.tie_word_embeddings,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-
-
-_QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
-_GUD = ("gate_proj", "up_proj", "down_proj")
 
 FAMILIES: dict[str, FamilySpec] = {
     "qwen3_moe": FamilySpec(
@@ -161,6 +98,7 @@ FAMILIES: dict[str, FamilySpec] = {
         router="mlp.router",
         legacy_experts=None,
     ),
+    **MORE_FAMILIES,
 }
 
 

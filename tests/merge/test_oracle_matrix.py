@@ -30,17 +30,24 @@ SCALINGS = {
     "patterns": lambda spec, kind: dict(r=2, lora_alpha=6, **_patterns(spec, kind)),
 }
 
+# The first six families run every scaling; the families added from transformers' list skip plain "alpha"
+# ("patterns" scales most modules by plain alpha / r too), to keep the matrix within a few minutes of CI.
+_FIRST_SIX = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss")
+
 CASES = [
     pytest.param(family, kind, scaling, dtype, id=f"{family}-{kind}-{scaling}-{dtype}")
     for family, spec in FAMILIES.items()
     for kind in ADAPTER_KINDS
-    if not (kind == "legacy" and spec.legacy_experts is None)  # gpt_oss experts were always fused
+    if not (kind == "legacy" and spec.legacy_experts is None)  # gpt_oss, llama4, ... experts were always fused
     for scaling in SCALINGS
+    if family in _FIRST_SIX or scaling != "alpha"
     for dtype in ("float32", "bfloat16")
 ]
 
 # A tensor name fragment the adapter of each kind must change (so a test cannot pass vacuously).
-_MUST_CHANGE = {"dense": ("self_attn.", "lm_head"), "target_parameters": ("experts.",), "legacy": ("experts.",)}
+# Each entry: fragments of which one must name a changed tensor (granitemoe stores experts as input_linear/output_linear).
+_MUST_CHANGE = {"dense": (("self_attn.",), ("lm_head",)), "target_parameters": (("experts.", "_linear."),),
+                "legacy": (("experts.",),)}
 
 
 @pytest.mark.parametrize("family,kind,scaling,dtype", CASES)
@@ -55,6 +62,6 @@ def test_merge_matches_oracle(base_factory, tmp_path, family, kind, scaling, dty
     base = read_checkpoint(base_dir)
     assert_matches(read_checkpoint(tmp_path / "merged"), oracle, base=base)
     changed = {name for name, w in oracle.items() if not (base[name] == w).all()}
-    for fragment in _MUST_CHANGE[kind]:
-        assert any(fragment in name for name in changed), f"oracle changed no {fragment!r} tensor: {sorted(changed)}"
+    for fragments in _MUST_CHANGE[kind]:
+        assert any(f in name for f in fragments for name in changed), f"oracle changed no {fragments} tensor: {sorted(changed)}"
     assert summary["tensors"] == len(oracle)
