@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${VENV:-.venv}
-extras="test,bench"
+extras="test,bench,trl"
 [ "${WEIGHTSYNC_VLLM:-1}" = "1" ] && extras="$extras,vllm"
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip)
