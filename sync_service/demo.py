@@ -10,6 +10,10 @@ a local Ray with 2 trainer shards (EP=2) and 2 transformers rollout engines, pus
 rewards while ``push_async`` refreshes the engines, plus a control run with sync disabled; writes the
 reward curves as a PNG (``--png``) and, with ``--json``, ``reward_curve`` / ``control_reward_curve`` /
 ``versions_seen``. Exits non-zero unless the synced reward rose and the control's did not.
+
+``weightsync demo --trainer fsdp2|ddp|ep`` runs a live training loop instead of trainer shards: 2
+training ranks train the demo model with AdamW and weightsync reads their live PEFT model in place
+(``sync_service.live.demo``); every version is verified against PEFT's float64 merge.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser, versions=3)
     parser.add_argument("--rl", action="store_true",
                         help="run the toy GRPO loop with live weight refresh (and a control run without sync)")
+    parser.add_argument("--trainer", choices=("fsdp2", "ddp", "ep"), default=None,
+                        help="sync a live training loop (2 ranks: FSDP2 fully_shard, DDP or expert parallel) "
+                             "instead of trainer shards; verified against PEFT's float64 merge")
     parser.add_argument("--png", type=Path, default=Path("weightsync_rl_rewards.png"),
                         help="--rl: where the reward-curve PNG goes (default ./weightsync_rl_rewards.png)")
 
@@ -39,6 +46,8 @@ def run(args: argparse.Namespace) -> int:
         return run_demo_rl(args.cache_dir, config=RLConfig(timeout_s=args.timeout, transport=args.transport),
                            png_path=args.png, json_path=args.json)
 
+    if args.trainer is not None:
+        return _run_live(args)
     ep, tp = resolve_parallel(args)
     check_run_arguments(args)
     engines = resolve_engines(args, adapter=args.cache_dir / "lora")
@@ -49,3 +58,18 @@ def run(args: argparse.Namespace) -> int:
                     versions=args.versions, transport=args.transport, bucket_bytes=args.bucket_bytes,
                     timeout_s=args.timeout, json_path=args.json, metrics_port=args.metrics_port)
     return execute_engine(cfg, {"model": DEMO_MODEL, "adapter": DEMO_ADAPTER, "cache_dir": str(args.cache_dir)})
+
+
+def _run_live(args: argparse.Namespace) -> int:
+    from sync_service.live.demo import run_trainer_demo
+    from sync_service.preflight import fail
+
+    if args.engine != "hf":
+        fail(args, f"--trainer {args.trainer} verifies transformers engines; drop --engine {args.engine}")
+    check_run_arguments(args)
+    quiet_libraries()
+    base, _ = ensure_files(args.cache_dir)
+    cfg = RunConfig(base=base, adapter=None, engine="hf", engines=args.engines or 2, versions=args.versions,
+                    transport=args.transport, bucket_bytes=args.bucket_bytes, timeout_s=args.timeout,
+                    json_path=args.json)
+    return run_trainer_demo(cfg, {"model": DEMO_MODEL, "cache_dir": str(args.cache_dir)}, kind=args.trainer)

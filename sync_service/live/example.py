@@ -1,0 +1,206 @@
+"""An example training rank, as a user's Ray actor runs one: a real PEFT LoRA training loop (gloo on CPU).
+
+It is what an RL framework's worker looks like: it builds the model from a checkpoint, adds PEFT
+LoRA on attention (``target_modules``) and on the fused experts (``target_parameters``), wraps it
+(FSDP2 ``fully_shard`` per decoder layer, DDP, or expert parallel: each rank's module holds only its
+expert block) and trains with AdamW on an LM loss. It calls ``attach_trainer`` and knows nothing else
+of weightsync. ``weightsync demo --trainer KIND`` and the tests run it as
+``ray.remote(num_cpus=0, max_concurrency=2)(ExampleTrainingRank)``: the endpoint's calls run beside
+the training step. ``hold_sends`` / ``release_sends`` gate the endpoint's sends (``before_send``)
+so a test can make a send overlap a training step for certain.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import threading
+from datetime import timedelta
+
+import numpy as np
+import torch
+
+MODES = ("fsdp2", "ddp", "ep")
+TARGET_MODULES = ["q_proj", "v_proj"]
+TARGET_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def lora_config(r: int = 2):
+    from peft import LoraConfig
+
+    return LoraConfig(r=r, lora_alpha=8, target_modules=TARGET_MODULES, target_parameters=TARGET_PARAMETERS)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _localize_experts(model, rank: int, world: int) -> None:
+    """Keep only this rank's contiguous expert block in every MoE layer (as torchtitan shards experts);
+    the routes to other ranks' experts get weight 0 here (their ranks compute them; no all-to-all in
+    this test)."""
+    for layer in model.model.layers:
+        experts = layer.mlp.experts
+        e_local = experts.num_experts // world
+        e0 = rank * e_local
+        for name in ("gate_up_proj", "down_proj"):
+            full = getattr(experts, name)
+            setattr(experts, name, torch.nn.Parameter(full.detach()[e0:e0 + e_local].clone()))
+        experts.num_experts = e_local
+
+        def remap(_module, args, kwargs, e0=e0, e_local=e_local):
+            hidden, index, weights = (list(args) + [kwargs.get(k) for k in ("top_k_index", "top_k_weights")])[:3]
+            mine = (index >= e0) & (index < e0 + e_local)  # others' experts: local expert 0 with weight 0
+            return (hidden, torch.where(mine, index - e0, 0), weights * mine), {}
+
+        experts.register_forward_pre_hook(remap, with_kwargs=True)
+
+
+@torch.no_grad()
+def _randomize_lora(model, rank: int, ep: bool) -> None:
+    """Non-zero seeded factors; replicated factors equal on every rank, EP expert factors per rank."""
+    for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        if "lora_" not in name:
+            continue
+        expert = ".experts." in name
+        seed = int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "little") + (1000 * rank if ep and expert else 0)
+        p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)) * 0.1)
+
+
+class ExampleTrainingRank:
+    """One rank of a user's training job (see the module docstring); ``rank`` of ``world``."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        torch.set_num_threads(1)
+        self.rank, self.world = rank, world
+        self._hold = threading.Event()
+        self._release = threading.Event()
+        self._step = 0
+
+    def rendezvous(self) -> tuple[str, int]:
+        return "127.0.0.1", _free_port()
+
+    def setup(self, host: str, port: int, base_dir: str, mode: str, *, lora_r: int = 2, shard_dim: int = 0,
+              restore: dict[str, np.ndarray] | None = None, **attach_kw):
+        """Join the training group, build and wrap the model, make the optimizer; attach weightsync.
+        ``lora_r`` / ``shard_dim`` (FSDP2 placement dim) let a test give ranks bad or differing models;
+        ``restore``: the whole adapter of a checkpoint (``adapter_state``) to resume from (not under EP)."""
+        import torch.distributed as dist
+        from peft import get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        from sync_service.live import attach_trainer
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.world,
+                                timeout=timedelta(seconds=120))
+        self.mode, self._step = mode, 0
+        base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+        if mode == "ep":
+            _localize_experts(base, self.rank, self.world)
+        self.peft = get_peft_model(base, lora_config(lora_r))
+        _randomize_lora(self.peft, self.rank, mode == "ep")
+        if restore is not None:
+            from peft import set_peft_model_state_dict
+
+            set_peft_model_state_dict(self.peft, {k: torch.from_numpy(v.copy()) for k, v in restore.items()})
+        self.model = self._wrap(mode, shard_dim)
+        self.opt = torch.optim.AdamW([p for p in self.peft.parameters() if p.requires_grad], lr=2e-2)
+        kw = dict(attach_kw)
+        if mode == "ep" and "expert_range" not in kw:
+            e_local = base.model.layers[0].mlp.experts.num_experts
+            kw["expert_range"] = (self.rank * e_local, (self.rank + 1) * e_local)
+        return attach_trainer(self.model, before_send=self._gate, **kw)
+
+    def _wrap(self, mode: str, shard_dim: int):
+        if mode == "fsdp2":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+            from torch.distributed.tensor import Shard
+
+            mesh = init_device_mesh("cpu", (self.world,))
+            place = None if shard_dim == 0 else (lambda p: Shard(shard_dim) if p.dim() > shard_dim else Shard(0))
+            for layer in self.peft.base_model.model.model.layers:
+                fully_shard(layer, mesh=mesh, shard_placement_fn=place)
+            return fully_shard(self.peft, mesh=mesh)
+        if mode == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            return DistributedDataParallel(self.peft, find_unused_parameters=True)
+        return self.peft
+
+    def train_step(self) -> float:
+        """One AdamW step on an LM loss over seeded tokens (different per rank and step)."""
+        import torch.distributed as dist
+
+        self._step += 1
+        g = torch.Generator().manual_seed(100 * self._step + self.rank)
+        tokens = torch.randint(3, 64, (2, 12), generator=g)
+        loss = self.model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        if self.mode == "ep":  # the non-expert part is data parallel across EP ranks
+            for name, p in self.peft.named_parameters():
+                if p.grad is not None and ".experts." not in name:
+                    dist.all_reduce(p.grad)  # gloo has no AVG
+                    p.grad.div_(self.world)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=False)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"rank {self.rank} step {self._step}: loss {float(loss)}")
+        return float(loss)
+
+    def adapter_state(self) -> dict[str, np.ndarray]:
+        """The whole trained adapter (PEFT keys, full tensors). Collective: every rank calls it."""
+        import torch.distributed as dist
+        from peft import get_peft_model_state_dict
+
+        out = {}
+        for key, t in sorted(get_peft_model_state_dict(self.peft).items()):
+            if hasattr(t, "full_tensor"):
+                t = t.full_tensor()
+            elif self.mode == "ep" and ".experts." in key:
+                parts = [torch.empty_like(t) for _ in range(self.world)]
+                dist.all_gather(parts, t.detach().contiguous())
+                t = _join_experts(key, parts)
+            out[key] = t.detach().numpy().copy()
+        return out
+
+    def digest(self) -> str:
+        """sha256 over every parameter, grad and optimizer-state tensor (local bytes)."""
+        h = hashlib.sha256()
+        for name, p in self.peft.named_parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            h.update(name.encode() + local.detach().numpy().tobytes())
+            if p.grad is not None:
+                grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                h.update(grad.numpy().tobytes())
+        for state in self.opt.state.values():
+            for k, v in sorted(state.items()):
+                v = v.to_local() if hasattr(v, "to_local") else v
+                h.update(k.encode() + (v.numpy().tobytes() if torch.is_tensor(v) else repr(v).encode()))
+        return h.hexdigest()
+
+    def hold_sends(self) -> None:
+        """The next send waits in ``before_send`` until ``release_sends`` (injected gate)."""
+        self._release.clear()
+        self._hold.set()
+
+    def release_sends(self) -> None:
+        self._hold.clear()
+        self._release.set()
+
+    def _gate(self, version: int) -> None:
+        if self._hold.is_set() and not self._release.wait(timeout=120):
+            raise TimeoutError(f"send({version}) held for 120 s")
+
+
+def _join_experts(key: str, parts: list[torch.Tensor]) -> torch.Tensor:
+    """EP ranks' fused expert factors → the whole factor (A: rows expert-major; B: columns rank-major)."""
+    if ".lora_A." in key:
+        return torch.cat(parts, 0)
+    out, cols = parts[0].shape
+    r = 2
+    return torch.cat([p.view(out, r, cols // r) for p in parts], 2).reshape(out, -1)
