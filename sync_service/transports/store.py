@@ -3,10 +3,11 @@
 ``torch.distributed.TCPStore`` serves anyone who can open a TCP connection to it: any local user
 could list a channel's keys, overwrite gloo's address records or post a fake reply. This store
 admits only clients that prove the channel's key (``TransportSpec.auth_key``): on every
-connection both sides run the HMAC challenge-response of Python's ``multiprocessing.connection``
-(``deliver_challenge`` / ``answer_challenge``, HMAC over a random nonce; no pickling), then the
-client sends length-prefixed msgpack requests. A client without the key is disconnected before
-its first request; the server listens on one address only (``StoreServer(host, ...)``).
+connection both sides prove it by HMAC-SHA256 over fresh random nonces of both (mutual
+challenge-response, compared in constant time), then the client sends msgpack requests, framed by
+``multiprocessing.connection.Connection.send_bytes`` (length-prefixed bytes; no pickling). A client
+without the key is disconnected before its first request; the server listens on one address only
+(``StoreServer(host, ...)``).
 
 ``StoreClient`` is a ``torch.distributed.Store``, so a ``ProcessGroupGloo`` rendezvous runs on it
 (gloo uses ``set`` / ``get`` / ``wait``); ``push`` / ``pop`` add the FIFO queue the replies use.
@@ -16,13 +17,16 @@ ASCII counters (as ``TCPStore`` does).
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
 import socket
 import struct
 import threading
 import time
 from collections import deque
 from datetime import timedelta
-from multiprocessing.connection import AuthenticationError, Connection, answer_challenge, deliver_challenge
+from multiprocessing.connection import AuthenticationError, Connection
 
 import msgpack
 import torch.distributed as dist
@@ -36,6 +40,35 @@ MAX_MESSAGE_BYTES = 4 << 20
 HANDSHAKE_TIMEOUT_S = 10.0
 """A connection that has not proven the key within this many seconds is dropped."""
 _OK, _ERR, _TIMEOUT = 0, 1, 2
+_NONCE = 32
+_HELLO = b"weightsync-store-1"
+
+
+def _proof(key: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
+    return hmac.new(key, role + first + second, hashlib.sha256).digest()
+
+
+def _challenge(conn: Connection, key: bytes) -> None:
+    """Server side of the handshake: the client must prove ``key`` on our nonce, then we prove it on
+    the client's. Raises AuthenticationError (or OSError / EOFError from the connection)."""
+    ours = os.urandom(_NONCE)
+    conn.send_bytes(_HELLO + ours)
+    answer = conn.recv_bytes(_NONCE + 32)
+    theirs, proof = answer[:_NONCE], answer[_NONCE:]
+    if len(theirs) != _NONCE or not hmac.compare_digest(proof, _proof(key, b"client", ours, theirs)):
+        raise AuthenticationError("store client did not prove the channel's key")
+    conn.send_bytes(_proof(key, b"server", theirs, ours))
+
+
+def _answer(conn: Connection, key: bytes) -> None:
+    """Client side of the handshake (see ``_challenge``)."""
+    hello = conn.recv_bytes(len(_HELLO) + _NONCE)
+    theirs, ours = hello[len(_HELLO):], os.urandom(_NONCE)
+    if not hello.startswith(_HELLO) or len(theirs) != _NONCE:
+        raise AuthenticationError("not a weightsync store")
+    conn.send_bytes(ours + _proof(key, b"client", theirs, ours))
+    if not hmac.compare_digest(conn.recv_bytes(32), _proof(key, b"server", ours, theirs)):
+        raise AuthenticationError("store did not prove the channel's key")
 
 
 def bind_listener(host: str, port_range: tuple[int, int] | None) -> socket.socket:
@@ -181,8 +214,7 @@ class StoreServer:
         try:
             _set_io_timeout(conn, HANDSHAKE_TIMEOUT_S)
             try:
-                deliver_challenge(conn, self.key)
-                answer_challenge(conn, self.key)
+                _challenge(conn, self.key)
             except (AuthenticationError, OSError, EOFError):
                 self.refused += 1
                 return
@@ -236,8 +268,7 @@ class StoreClient(dist.Store):
         conn = Connection(sock.detach())
         _set_io_timeout(conn, min(self.timeout_s, HANDSHAKE_TIMEOUT_S) + 1.0)
         try:
-            answer_challenge(conn, key)
-            deliver_challenge(conn, key)
+            _answer(conn, key)
         except (AuthenticationError, OSError, EOFError) as exc:
             conn.close()
             raise TransportError(f"rendezvous store {host}:{port} refused the channel's key or is not a weightsync "
