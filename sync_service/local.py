@@ -13,7 +13,7 @@ import torch
 
 from protocols.params import full_box
 
-__all__ = ["start_trainers", "start_engines", "AdapterReplay", "reference_state", "save_adapter"]
+__all__ = ["start_trainers", "start_engines", "start_server_engines", "AdapterReplay", "reference_state", "save_adapter"]
 
 
 def start_trainers(base_dir: str | Path, adapter_dir: str | Path | None, *, ep: int = 1, tp: int = 1,
@@ -53,6 +53,15 @@ def start_engines(model_dir: str | Path, count: int, *, engine: str = "hf", time
                for i in range(count)]
     ray.get([e.weight_version.remote() for e in engines], timeout=timeout_s)
     return engines
+
+
+def start_server_engines(urls: Sequence[str], *, api_key: str | None = None, prefix: str = "server",
+                         timeout_s: float = 30.0) -> list:
+    """One ``actors.vllm_server.VLLMServer`` engine per running vLLM server URL, named ``prefix0``, ...
+    Blocks until each answered; raises the server's setup error (e.g. the missing backend flag) as is."""
+    from actors.vllm_server import VLLMServer
+
+    return [VLLMServer(url, api_key=api_key, name=f"{prefix}{i}", timeout_s=timeout_s) for i, url in enumerate(urls)]
 
 
 def _per_actor(actor_options: Mapping | Sequence[Mapping] | None, count: int) -> list[dict]:

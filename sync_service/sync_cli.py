@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -63,6 +64,10 @@ class RunConfig:
     """HMAC key of every bucket (``SyncConfig.secret``); ``None``: a fresh random one."""
     metrics_port: int | None = None
     """Serve Prometheus metrics on this port (``SyncConfig.metrics_port``); ``None``: not served."""
+    vllm_urls: tuple[str, ...] = ()
+    """``--engine vllm-server``: running servers to sync into (none: start ``engines`` local ones)."""
+    vllm_api_key: str | None = field(default=None, repr=False)
+    """The servers' ``--api-key`` (``--vllm-api-key`` or ``$VLLM_API_KEY``)."""
 
 
 @dataclass(slots=True)
@@ -219,6 +224,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "world-writable; default: $WEIGHTSYNC_SECRET_FILE, else a fresh random key per run)")
     parser.add_argument("--no-check-finite", dest="check_finite", action="store_false",
                         help="do not refuse merged weights holding NaN/Inf (the check costs one pass per tensor)")
+    parser.add_argument("--vllm-url", dest="vllm_urls", action="append", default=[], metavar="URL",
+                        help="--engine vllm-server: a running vLLM server started with the weightsync backend "
+                             "(repeat for several; default: start --engines local servers). docs/vllm.md")
+    parser.add_argument("--vllm-api-key", default=None, metavar="KEY",
+                        help="the servers' --api-key (default: $VLLM_API_KEY)")
     add_common_arguments(parser, versions=1)
 
 
@@ -276,9 +286,15 @@ def run(args: argparse.Namespace) -> int:
         if path is not None and not path.is_dir():
             fail(args, f"{what} {path}: not a directory")
     check_run_arguments(args)
+    if args.vllm_urls:
+        from sync_service.engines.vllm_server.preflight import check_servers
+
+        check_servers(args)
     check_transport(args, ep * tp)
     check_sharding(args, args.base, ep, tp)
     engines = resolve_engines(args, args.adapter, args.base)
+    if args.vllm_urls:
+        engines = len(args.vllm_urls)  # the servers given, none started
     if args.adapter is not None:
         check_adapter(args, args.base, args.adapter)
     from sync_service.security import resolve_secret
@@ -290,5 +306,6 @@ def run(args: argparse.Namespace) -> int:
     cfg = RunConfig(base=args.base, adapter=args.adapter, ep=ep, tp=tp, engine=args.engine, engines=engines,
                     versions=args.versions, transport=args.transport, bucket_bytes=args.bucket_bytes,
                     timeout_s=args.timeout, json_path=args.json, check_finite=args.check_finite, secret=secret,
-                    metrics_port=args.metrics_port)
+                    metrics_port=args.metrics_port, vllm_urls=tuple(args.vllm_urls),
+                    vllm_api_key=args.vllm_api_key or os.environ.get("VLLM_API_KEY"))
     return execute_engine(cfg, {"base": str(args.base), "adapter": None if args.adapter is None else str(args.adapter)})

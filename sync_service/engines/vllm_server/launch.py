@@ -41,8 +41,8 @@ def free_port() -> int:
 
 
 def server_command(model_dir: str | Path, port: int, *, dtype: str, max_model_len: int | None = None,
-                   with_backend: bool = True, api_key: str | None = None) -> list[str]:
-    """The argv of a vLLM server on ``127.0.0.1:port`` serving ``model_dir``."""
+                   with_backend: bool = True, api_key: str | None = None, extra_args: tuple[str, ...] = ()) -> list[str]:
+    """The argv of a vLLM server on ``127.0.0.1:port`` serving ``model_dir`` (``extra_args`` appended)."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--dtype", dtype,
            "--enforce-eager", "--host", "127.0.0.1", "--port", str(port),
            "--seed", "0"]
@@ -52,7 +52,7 @@ def server_command(model_dir: str | Path, port: int, *, dtype: str, max_model_le
         cmd += ["--weight-transfer-config", json.dumps({"backend": BACKEND})]
     if api_key:
         cmd += ["--api-key", api_key]
-    return cmd
+    return cmd + list(extra_args)
 
 
 @dataclass(slots=True)
@@ -65,7 +65,8 @@ class LocalServer:
 
     @classmethod
     def start(cls, model_dir: str | Path, *, dtype: str, timeout_s: float = 300.0, with_backend: bool = True,
-              api_key: str | None = None, log_dir: str | Path | None = None, env: dict | None = None) -> "LocalServer":
+              api_key: str | None = None, log_dir: str | Path | None = None, env: dict | None = None,
+              extra_args: tuple[str, ...] = ()) -> "LocalServer":
         """Start and wait until ``/health`` answers. Blocks up to ``timeout_s``.
 
         Raises:
@@ -77,7 +78,7 @@ class LocalServer:
         full_env = {**os.environ, **CPU_ENV, **(env or {})}
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(server_command(model_dir, port, dtype=dtype, with_backend=with_backend,
-                                                   api_key=api_key),
+                                                   api_key=api_key, extra_args=extra_args),
                                     cwd=log_dir, env=full_env, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
         server = cls(url=f"http://127.0.0.1:{port}", process=proc, log_path=log_path)

@@ -1,0 +1,105 @@
+"""``weightsync sync|demo --engine vllm-server``: the local run with vLLM servers as the engines.
+
+With ``--vllm-url`` (one or more) the run syncs into those running servers (each started with the
+weightsync backend, serving ``--base`` in its dtype); without, it starts ``--engines`` local CPU
+servers itself (``launch.LocalServer``) and stops them at the end. Verification per version and
+server: ``/weight_info`` reports the version, and the server's greedy ``/v1/completions`` tokens
+equal those of a fresh vLLM on the ``weightsync merge`` output of that version (the vLLM engine
+kind's oracle, ``engines.vllm.oracle``, run before any server starts). JSON: the demo's shape plus
+``"engine": "vllm-server"``; weight fields are ``null`` (vLLM's post-load layout is not the checkpoint's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+from pathlib import Path
+
+from sync_service.progress import Steps
+from sync_service.sync_cli import (MAX_NEW_TOKENS, PROMPTS, RunConfig, VersionRow, announce_metrics, print_row,
+                                   run_and_report)
+
+__all__ = ["execute_server", "run_server"]
+
+
+def _servers(cfg: RunConfig, stack: contextlib.ExitStack, log_dir: Path) -> list[str]:
+    """The URLs to sync into: ``cfg.vllm_urls``, else ``cfg.engines`` local servers started here."""
+    if cfg.vllm_urls:
+        return list(cfg.vllm_urls)
+    from sync_service.engines.vllm.fused import checkpoint_dtype
+    from sync_service.engines.vllm_server.launch import LocalServer
+
+    dtype = checkpoint_dtype(cfg.base)
+    return [stack.enter_context(LocalServer.start(cfg.base, dtype=dtype, timeout_s=max(600.0, cfg.timeout_s),
+                                                  log_dir=log_dir)).url for _ in range(cfg.engines)]
+
+
+def _row(v: int, m, engines: list[dict]) -> VersionRow:
+    return VersionRow(version=v, full=m.full, bytes=m.bytes, buckets=m.buckets, seconds=m.seconds,
+                      gb_per_s=m.gb_per_s, engines=engines,
+                      stages={k: getattr(m, k) for k in ("gather_s", "merge_s", "pack_s", "transfer_s", "apply_s",
+                                                          "commit_s")})
+
+
+def _verify(engine, name: str, v: int, expected: list, timeout_s: float) -> dict:
+    import ray
+
+    got = ray.get(engine.complete.remote([list(p) for p in PROMPTS], MAX_NEW_TOKENS), timeout=timeout_s)
+    version = ray.get(engine.weight_version.remote(), timeout=timeout_s)
+    ok = [g["tokens"] for g in got] == expected and version == v
+    return {"engine": name, "verified": ok, "weights_equal_reference": None, "max_abs_diff": None,
+            "weights_equal_merge_output": None, "generations_equal": [g["tokens"] for g in got] == expected,
+            "weight_version": version}
+
+
+def run_server(cfg: RunConfig) -> list[VersionRow]:
+    """Oracle first, then the servers, Ray, the trainers; push and verify every version."""
+    import ray
+
+    from sync_service.api import SyncConfig, WeightSync
+    from sync_service.engines.vllm.demo_run import merged_versions
+    from sync_service.engines.vllm.oracle import fresh_tokens
+    from sync_service.local import start_server_engines, start_trainers
+    from sync_service.sync_cli import start_ray
+
+    if cfg.adapter is None:
+        raise ValueError("--engine vllm-server needs --adapter (versions differ by their factors)")
+    tmp = Path(tempfile.mkdtemp(prefix="wsvllmsrv"))
+    rows: list[VersionRow] = []
+    steps = Steps(4 + cfg.versions)
+    with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, tmp, True)
+        steps.step(f"merging {cfg.versions} version(s) and decoding them on fresh vLLM engines (the oracle)")
+        merged = merged_versions(cfg.base, cfg.adapter, cfg.versions, cfg.work_dir or tmp / "work")
+        expected = fresh_tokens({str(v): d for v, d in merged.items()}, PROMPTS, MAX_NEW_TOKENS,
+                                timeout_s=max(600.0, cfg.timeout_s))
+        steps.step("vLLM server(s): " + ("connecting" if cfg.vllm_urls else f"starting {cfg.engines} on this machine"))
+        urls = _servers(cfg, stack, tmp)
+        steps.step("starting a local Ray and the trainer shards")
+        start_ray(tmp / "ray")
+        stack.callback(ray.shutdown)
+        stack.callback(steps.close)
+        trainers = start_trainers(cfg.base, cfg.adapter, ep=cfg.ep, tp=cfg.tp, timeout_s=cfg.timeout_s)
+        engines = start_server_engines(urls, api_key=cfg.vllm_api_key)
+        steps.step("planning, validating the plan against every server's table")
+        sync = WeightSync(trainers=trainers, engines=engines, config=SyncConfig(
+            transport=cfg.transport, bucket_bytes=cfg.bucket_bytes, timeout_s=cfg.timeout_s,
+            check_finite=cfg.check_finite, secret=cfg.secret, metrics_port=cfg.metrics_port))
+        announce_metrics(sync)
+        for v in range(cfg.versions):
+            steps.step(f"version {v}: training step, push, generate")
+            if v:
+                ray.get([t.train_step.remote(v) for t in trainers], timeout=cfg.timeout_s)
+            m = sync.push(v)
+            rows.append(_row(v, m, [_verify(e, f"server{i}", v, expected[str(v)], cfg.timeout_s)
+                                    for i, e in enumerate(engines)]))
+            print_row(rows[-1])
+        sync.close()
+    return rows
+
+
+def execute_server(cfg: RunConfig, extra: dict) -> int:
+    """Run, print the table, write ``cfg.json_path``; 0 iff every version verified on every server."""
+    where = ", ".join(cfg.vllm_urls) if cfg.vllm_urls else f"{cfg.engines} local vLLM server(s)"
+    return run_and_report(cfg, run_server, extra, engines=where, json_extra={"engine": "vllm-server"})

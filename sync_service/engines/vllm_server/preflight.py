@@ -1,0 +1,26 @@
+"""``weightsync sync --vllm-url``: each server answers, runs the weightsync backend, and serves a
+model whose table fits ``--base`` — checked before Ray starts (one line, exit 2, on a failure)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from sync_service.engines.vllm_server.client import ServerError
+from sync_service.engines.vllm_server.engine import VLLMServerConfig, VLLMServerEngine
+from sync_service.preflight import fail
+
+__all__ = ["check_servers"]
+
+
+def check_servers(args: argparse.Namespace) -> None:
+    """Exit 2 naming the URL and the fix when a server is unreachable, lacks the backend or the dev
+    routes, or rejects the API key (``--vllm-api-key`` / ``$VLLM_API_KEY``)."""
+    if args.engine != "vllm-server":
+        fail(args, f"--vllm-url needs --engine vllm-server (got --engine {args.engine})")
+    key = args.vllm_api_key or os.environ.get("VLLM_API_KEY")
+    for url in args.vllm_urls:
+        try:
+            VLLMServerEngine(VLLMServerConfig(url=url, api_key=key, timeout_s=min(30.0, args.timeout)))
+        except (ServerError, ValueError) as exc:
+            fail(args, f"--vllm-url {url}: {exc}")
