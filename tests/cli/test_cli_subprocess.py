@@ -77,15 +77,19 @@ def test_sync_refuses_before_ray(files, family, argv, fragments):
 
 
 def test_actor_error_is_one_line(files):
-    """An engine actor that cannot build its model (``hidden_act`` unknown to transformers): the
-    error comes from inside Ray and reaches the terminal as one line naming the actor's call and the
-    cause, exit 1."""
-    base = files["root"] / "bad_act"
+    """A checkpoint whose ``model.norm.weight`` has one element too many: every pre-Ray check reads
+    headers only and passes, the engine actor's transformers load refuses the shape. The error comes
+    from inside Ray and reaches the terminal as one line naming the actor's call and the cause, exit 1."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    base = files["root"] / "bad_shape"
     shutil.copytree(files["base"], base)
-    config = json.loads((base / "config.json").read_text())
-    (base / "config.json").write_text(json.dumps({**config, "hidden_act": "no_such_act"}))
-    rc, err, seconds = weightsync(["sync", "--base", str(base), "--engines", "1", "--timeout", "300"], ray_allowed=True)
+    sd = load_file(str(base / "model.safetensors"))
+    sd["model.norm.weight"] = torch.ones(sd["model.norm.weight"].numel() + 1)
+    save_file(sd, str(base / "model.safetensors"), metadata={"format": "pt"})
+    rc, err, seconds = weightsync(["sync", "--base", str(base), "--ep", "1", "--engines", "1", "--timeout", "300"], ray_allowed=True)
     line = one_error_line(err, "sync")
     assert rc == 1, err
-    assert "RolloutEngine.__init__" in line and "no_such_act" in line, line
+    assert "RolloutEngine.__init__" in line and "ignore_mismatched_sizes" in line, line
     assert seconds < 300, "the actor's death must end the run, not the timeout"
