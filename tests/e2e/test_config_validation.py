@@ -25,6 +25,12 @@ from sync_service.synthetic import make_base
     ({"max_staleness": None}, "max_staleness=None must be int"),
     ({"experts_per_recipe": False}, "experts_per_recipe=False must be int"),
     ({"factor_memory_bytes": 1.0}, "factor_memory_bytes=1.0 must be int or None"),
+    ({"bucket_bytes": 1 << 40}, "bucket_bytes=1099511627776 exceeds 8589934592 \\(8 GiB\\)"),
+    ({"bucket_bytes": (8 << 30) + 64}, "exceeds"),
+    ({"metrics_port": 65536}, "metrics_port=65536 must be a TCP port"),
+    ({"metrics_port": -1}, "metrics_port=-1"),
+    ({"metrics_port": True}, "metrics_port=True must be int or None"),
+    ({"metrics_host": None}, "metrics_host=None must be str"),
     ({"transport": 3}, "transport=3 must be str"),
     ({"transport": "udp"}, "transport='udp'"),
     ({"mode": ["merged"]}, "mode=\\['merged'\\] must be str"),
@@ -37,6 +43,7 @@ def test_sync_config_rejects_bad_fields(kwargs, match):
 def test_sync_config_accepts_good_fields():
     cfg = SyncConfig(timeout_s=5, bucket_bytes=128, factor_memory_bytes=None, check_finite=True)
     assert cfg.timeout_s == 5 and cfg.bucket_bytes == 128
+    assert SyncConfig(bucket_bytes=8 << 30, metrics_port=0).bucket_bytes == 8 << 30
 
 
 @pytest.fixture(scope="module")
