@@ -250,3 +250,29 @@ def test_interpreter_exit_and_sigkill_leave_no_segment():
     finally:
         sender.close()
     assert not os.path.exists(sender.path)
+
+
+def test_trainer_group_rendezvous_binds_its_own_address(pool):
+    """The trainer group's TCPStore serves on the socket rank 0 reserved on 127.0.0.1 (by itself,
+    ``init_process_group("tcp://...")`` listens on every interface): the listeners a (re)made group
+    adds to rank 0 are on no wildcard address, and the group works (a push over it commits)."""
+    def listening(pid: int) -> set[tuple[str, int]]:
+        return {(c.laddr.ip, c.laddr.port) for c in psutil.Process(pid).net_connections("tcp")
+                if c.status == psutil.CONN_LISTEN}
+
+    [pid] = pids_of(pool.trainers(ep=2)[:1])
+    before = listening(pid)  # Ray's own worker server among them
+    trainers = pool.trainers(ep=2)  # a new group: new store and gloo listeners
+    new = listening(pid) - before
+    assert new and not {ip for ip, _ in new} & {"0.0.0.0", "::"}, sorted(new)
+    assert any(ip == "127.0.0.1" for ip, _ in new), sorted(new)
+    sync = WeightSync(trainers=trainers, engines=pool.engines[:1],
+                      config=SyncConfig(transport="shm", bucket_bytes=BUCKET_BYTES, timeout_s=TIMEOUT_S))
+    try:
+        v = pool.next_version()
+        t0 = time.monotonic()
+        sync.push(v)
+        assert time.monotonic() - t0 < TIMEOUT_S
+        assert_equal_state(pool.engines[0], Replay(pool.base, pool.adapter).reference(), f"push({v}) over 2 ranks")
+    finally:
+        sync.close()
