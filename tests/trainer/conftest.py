@@ -40,7 +40,7 @@ def setup_ranks(ranks, base_dir, mode: str, **attach_kw) -> list:
 def adapter_of(ranks) -> dict[str, torch.Tensor]:
     """The trained adapter, gathered from the ranks (a collective on them)."""
     states = ray.get([r.adapter_state.remote() for r in ranks], timeout=120)
-    return {k: torch.from_numpy(v) for k, v in states[0].items()}
+    return {k: torch.from_numpy(v.copy()) for k, v in states[0].items()}
 
 
 def peft_merged(base_dir: Path, adapter: dict[str, torch.Tensor], tmp: Path) -> dict[str, torch.Tensor]:
