@@ -31,12 +31,9 @@ def _hf(model_dir: str):
 
 def _vllm(model_dir: str):
     """vLLM in this process, presented in the trainers' hf-fused naming (docs/vllm.md). The actor's
-    runtime_env sets ``VLLM_CPU_OMP_THREADS_BIND=nobind`` (and ``VLLM_CPU_KVCACHE_SPACE``)."""
-    import os
-
+    runtime_env carries ``engines.vllm.config.VLLM_ENV`` (``local.start_engines`` sets it)."""
     from sync_service.engines.vllm.fused import FusedVLLMEngine
 
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     return FusedVLLMEngine.from_pretrained(model_dir)
 
 

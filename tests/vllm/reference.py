@@ -11,11 +11,7 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import sys
-
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
 def run(spec: dict) -> dict:

@@ -7,7 +7,16 @@ from typing import Any
 
 from protocols.interfaces import PauseMode
 
-__all__ = ["VLLMEngineConfig"]
+__all__ = ["VLLMEngineConfig", "VLLM_ENV"]
+
+VLLM_ENV: dict[str, str] = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core and worker in the engine's own process: updates are plain calls
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # no core pinning (other processes share the cores)
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; VLLMEngineConfig.kv_cache_bytes sizes the cache of our own engines
+}
+"""The process environment of every vLLM engine weightsync starts (a rollout engine actor, the fresh-engine
+oracle's subprocess): set by the entry points that start those processes (``local.start_engines``,
+``vllm_oracle.fresh_tokens``), never inside an engine factory."""
 
 
 @dataclass(kw_only=True, slots=True)

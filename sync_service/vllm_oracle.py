@@ -1,6 +1,6 @@
 """Fresh-engine oracle: greedy tokens of a plain ``vllm.LLM`` started on each of some checkpoints.
 
-``fresh_tokens(runs, prompts, max_new_tokens)`` runs ``python -m sync_service.engines.vllm.oracle
+``fresh_tokens(runs, prompts, max_new_tokens)`` runs ``python -m sync_service.vllm_oracle
 SPEC OUT`` in a subprocess (vLLM in process there, one engine at a time, each shut down before the
 next), so the caller never holds a second vLLM engine. SPEC / OUT are JSON:
 ``{"runs": {key: [model_dir, dtype]}, "prompts": [[ids]], "max_new_tokens": n, "max_model_len": n}`` →
@@ -20,8 +20,6 @@ from pathlib import Path
 
 __all__ = ["fresh_tokens"]
 
-ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1"}
-
 
 def fresh_tokens(runs: Mapping[str, str | Path], prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                  max_model_len: int = 128, timeout_s: float = 600.0) -> dict[str, list[list[int]]]:
@@ -32,6 +30,7 @@ def fresh_tokens(runs: Mapping[str, str | Path], prompts: Sequence[Sequence[int]
         RuntimeError: the subprocess failed (its stderr tail in the message);
         subprocess.TimeoutExpired: it ran longer than ``timeout_s`` seconds.
     """
+    from sync_service.engines.vllm.config import VLLM_ENV
     from sync_service.engines.vllm.fused import checkpoint_dtype
 
     spec = {"runs": {k: [str(v), checkpoint_dtype(v)] for k, v in runs.items()}, "prompts": [list(p) for p in prompts],
@@ -39,8 +38,8 @@ def fresh_tokens(runs: Mapping[str, str | Path], prompts: Sequence[Sequence[int]
     with tempfile.TemporaryDirectory(prefix="wsoracle") as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(spec))
-        proc = subprocess.run([sys.executable, "-m", "sync_service.engines.vllm.oracle", str(spec_path), str(out_path)],
-                              env={**os.environ, **ENV}, capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run([sys.executable, "-m", "sync_service.vllm_oracle", str(spec_path), str(out_path)],
+                              env={**os.environ, **VLLM_ENV}, capture_output=True, text=True, timeout=timeout_s)
         if proc.returncode != 0:
             raise RuntimeError(f"vLLM oracle failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
         return json.loads(out_path.read_text())
@@ -61,9 +60,7 @@ def _run(spec: dict) -> dict:
     return out
 
 
-if __name__ == "__main__":
-    for k, v in ENV.items():
-        os.environ.setdefault(k, v)
+if __name__ == "__main__":  # started by fresh_tokens with VLLM_ENV
     with open(sys.argv[1]) as f:
         result = _run(json.load(f))
     with open(sys.argv[2], "w") as f:

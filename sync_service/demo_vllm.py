@@ -3,7 +3,7 @@
 Same run and ``--json`` shape as the default demo (``sync_service.sync_cli``), with one engine kind
 changed: 2 trainer shards (EP=2 by default) → one ``RolloutEngine(engine="vllm")`` (vLLM in the
 actor's process, ``FusedVLLMEngine``). Verification per version: the engine's greedy tokens equal
-those of a fresh vLLM started on the ``weightsync merge`` output of that version (``oracle``, run
+those of a fresh vLLM started on the ``weightsync merge`` output of that version (``vllm_oracle``, run
 in a subprocess before the engine under test starts, so one vLLM engine runs at a time). Weights
 are not read back from vLLM (its post-load layout is not the checkpoint's): the weight fields of
 the JSON rows are ``null``.
@@ -19,11 +19,7 @@ from sync_service.progress import Steps
 from sync_service.sync_cli import (MAX_NEW_TOKENS, PROMPTS, RunConfig, VersionRow, announce_metrics, print_row,
                                    run_and_report)
 
-__all__ = ["ACTOR_ENV", "execute_vllm", "merged_versions"]
-
-ACTOR_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-             "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
-"""runtime_env env_vars of the vLLM rollout engine actor."""
+__all__ = ["execute_vllm", "merged_versions"]
 
 
 def merged_versions(base: Path, adapter: Path, versions: int, work: Path) -> dict[int, Path]:
@@ -45,7 +41,7 @@ def run_vllm(cfg: RunConfig) -> list[VersionRow]:
     import ray
 
     from sync_service.api import SyncConfig, WeightSync
-    from sync_service.engines.vllm.oracle import fresh_tokens
+    from sync_service.vllm_oracle import fresh_tokens
     from sync_service.local import start_engines, start_trainers
     from sync_service.sync_cli import start_ray
 
@@ -63,7 +59,7 @@ def run_vllm(cfg: RunConfig) -> list[VersionRow]:
         start_ray(tmp / "ray")
         trainers = start_trainers(cfg.base, cfg.adapter, ep=cfg.ep, tp=cfg.tp, timeout_s=cfg.timeout_s)
         engines = start_engines(cfg.base, 1, engine="vllm", timeout_s=max(300.0, cfg.timeout_s),
-                                actor_options={"runtime_env": {"env_vars": ACTOR_ENV}}, prefix="vllm")
+                                prefix="vllm")
         steps.step("planning, validating the plan against the engine")
         sync = WeightSync(trainers=trainers, engines=engines, config=SyncConfig(
             transport=cfg.transport, bucket_bytes=cfg.bucket_bytes, timeout_s=cfg.timeout_s,
