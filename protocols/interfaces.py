@@ -12,6 +12,7 @@ These are ``typing.Protocol`` classes: implementations need not inherit. Tensors
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -61,6 +62,18 @@ class PauseMode(str, Enum):
     KEEP = "keep"      # keep serving from the old weights (requires a staged apply)
 
 
+@dataclass(frozen=True, slots=True)
+class FinishReport:
+    """What ``EngineAdapter.finish_update`` did for one sync."""
+
+    tensors: int
+    """Tensors staged by the sync (names announced in ``begin_update``)."""
+    modules: int
+    """Engine modules whose post-load processing ran (0 for an engine that needs none, e.g. transformers)."""
+    seconds: float
+    """Wall time of the finish (completeness check + post-load processing), seconds."""
+
+
 @runtime_checkable
 class EngineAdapter(Protocol):
     """Receiver side: one rollout engine's parameters and its update lifecycle.
@@ -89,8 +102,14 @@ class EngineAdapter(Protocol):
         """
         ...
 
-    def finish_update(self) -> None:
-        """Post-load processing for everything applied since ``begin_update``; once per sync."""
+    def finish_update(self) -> FinishReport:
+        """Check that every announced tensor was covered completely, then run the post-load processing
+        for everything applied since ``begin_update``; once per sync.
+
+        Raises:
+            ValueError: a tensor was covered incompletely (nothing is served from this sync).
+            RuntimeError: no sync begun, or the sync was finished already.
+        """
         ...
 
     def commit(self, version: int) -> None:

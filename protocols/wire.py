@@ -120,9 +120,6 @@ class SyncPlan:
     session: str = ""
     version: int = 0
 
-    def for_sync(self, session: str, version: int) -> "SyncPlan":
-        return replace(self, session=session, version=version)
-
 
 @dataclass(frozen=True, slots=True)
 class BucketHeader:

@@ -5,7 +5,6 @@ reference merge a version must equal.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -134,7 +133,3 @@ def reference_state(base_dir: str | Path, peft_config, adapter_state: Mapping[st
         source.fill(m.name, full_box(m.shape), buf)
         out[m.name] = buf
     return out
-
-
-def read_json(path: str | Path) -> dict:
-    return json.loads(Path(path).read_text())

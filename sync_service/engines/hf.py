@@ -16,14 +16,17 @@ sync's staging buffer, so steady-state syncs allocate nothing.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from protocols.params import Box, ParamMeta, box_numel, box_shape
+from protocols.interfaces import FinishReport
+from protocols.params import Box, ParamMeta
 from sync_service.dtypes import wire_dtype
+from sync_service.engines.staging import Staging
 
 __all__ = ["GenerateResult", "HFEngine", "HFEngineConfig", "SampleResult", "load_causal_lm"]
 
@@ -81,16 +84,6 @@ def load_causal_lm(path: str | Path, *, dtype: torch.dtype | None = None) -> tor
     return AutoModelForCausalLM.from_pretrained(str(path), use_safetensors=True, **kwargs).train(False)
 
 
-class _Staged:
-    """One name being updated: its staging buffer and how many elements have been applied."""
-
-    __slots__ = ("buffer", "applied")
-
-    def __init__(self, buffer: torch.Tensor) -> None:
-        self.buffer = buffer
-        self.applied = 0
-
-
 class HFEngine:
     """EngineAdapter over a transformers ``PreTrainedModel`` on CPU (implements ``protocols.EngineAdapter``).
 
@@ -108,9 +101,8 @@ class HFEngine:
         )
         self._lock = threading.Lock()
         self._version: int | None = None
-        self._pending_version: int | None = None
-        self._staged: dict[str, _Staged] = {}
-        self._spare: dict[str, torch.Tensor] = {}  # swapped-out storage, reused as staging
+        self._staging = Staging(lambda n: torch.empty_like(self._params[n].data), "HFEngine")
+        self._finished = False
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype | None = None,
@@ -131,21 +123,17 @@ class HFEngine:
 
     # -- update lifecycle ------------------------------------------------------------------
     def begin_update(self, version: int, names: Sequence[str]) -> None:
-        """Take staging buffers for ``names``.
+        """Take staging buffers for ``names`` (``engines.staging.Staging``).
 
         Raises:
             RuntimeError: an update is already in progress (call ``commit`` or ``abort`` first).
             KeyError: a name is not in this engine's parameter table.
         """
-        if self._pending_version is not None:
-            raise RuntimeError(
-                f"begin_update({version}) while version {self._pending_version} is in progress; commit or abort it first"
-            )
         unknown = sorted(set(names) - self._params.keys())
         if unknown:
             raise KeyError(f"names not in the engine parameter table: {unknown[:5]} ({len(unknown)} in all)")
-        self._staged = {n: _Staged(self._staging_buffer(n)) for n in dict.fromkeys(names)}
-        self._pending_version = version
+        self._staging.begin(version, names)
+        self._finished = False
 
     def apply(self, name: str, box: Box, data: torch.Tensor) -> None:
         """Copy ``data`` into ``box`` of the staging buffer of ``name`` (never the live parameter).
@@ -155,53 +143,44 @@ class HFEngine:
             KeyError: ``name`` was not announced in ``begin_update``.
             ValueError: ``data`` does not have the box's shape, or the box leaves the tensor.
         """
-        if self._pending_version is None:
-            raise RuntimeError(f"apply({name!r}) without begin_update")
-        staged = self._staged.get(name)
-        if staged is None:
-            raise KeyError(f"{name!r} was not announced in begin_update({self._pending_version})")
-        buf = staged.buffer
-        if len(box) != buf.dim() or any(not (0 <= a < b <= n) for (a, b), n in zip(box, buf.shape)):
-            raise ValueError(f"box {box} of {name!r} is outside its shape {tuple(buf.shape)}")
-        if tuple(data.shape) != box_shape(box):
-            raise ValueError(f"data for {name!r} box {box} has shape {tuple(data.shape)}, expected {box_shape(box)}")
-        buf[tuple(slice(a, b) for a, b in box)].copy_(data)
-        staged.applied += box_numel(box)
+        self._staging.apply(name, box, data)
 
-    def finish_update(self) -> None:
-        """Check every staged name was covered completely (boxes of one sync are disjoint).
+    def finish_update(self) -> FinishReport:
+        """Check every staged name was covered completely (boxes of one sync are disjoint). No post-load
+        processing: transformers computes from the parameters as they are.
 
         Raises:
             ValueError: a name received fewer or more elements than it holds.
+            RuntimeError: no update in progress, or it was finished already.
         """
-        bad = {n: (s.applied, s.buffer.numel()) for n, s in self._staged.items() if s.applied != s.buffer.numel()}
-        if bad:
-            detail = ", ".join(f"{n}: {a}/{t}" for n, (a, t) in list(bad.items())[:5])
-            raise ValueError(f"incomplete update {self._pending_version}: elements applied/expected {detail}")
+        t0 = time.perf_counter()
+        if self._staging.version is None or self._finished:
+            raise RuntimeError("finish_update needs exactly one begin_update before it")
+        self._staging.check_complete()
+        self._finished = True
+        return FinishReport(tensors=len(self._staging.names()), modules=0, seconds=time.perf_counter() - t0)
 
     def commit(self, version: int) -> None:
         """Swap staged buffers into the live parameters under the generation lock.
 
         Raises:
-            RuntimeError: ``version`` differs from the one begun.
+            RuntimeError: ``version`` differs from the one begun, or ``finish_update`` did not run.
         """
-        if self._pending_version != version:
-            raise RuntimeError(f"commit({version}) but the update in progress is {self._pending_version}")
+        if self._staging.version != version or not self._finished:
+            raise RuntimeError(f"commit({version}): no finished update of that version (in progress: "
+                               f"{self._staging.version}, finished: {self._finished})")
         with self._locked():
-            for name, staged in self._staged.items():
+            for name, buffer in self._staging.take().items():
                 param = self._params[name]
-                self._spare[name] = param.data
-                param.data = staged.buffer
+                self._staging.keep_spare(name, param.data)
+                param.data = buffer
             self._version = version
-        self._staged = {}
-        self._pending_version = None
+        self._finished = False
 
     def abort(self) -> None:
         """Drop staging; the served version is untouched. Idempotent."""
-        for name, staged in self._staged.items():
-            self._spare[name] = staged.buffer
-        self._staged = {}
-        self._pending_version = None
+        self._staging.drop()
+        self._finished = False
 
     def reset_caches(self) -> None:
         """No-op: this engine keeps no KV or prefix cache across ``generate`` calls."""
@@ -253,13 +232,6 @@ class HFEngine:
         return {n: p.data for n, p in self._params.items()}
 
     # -- internals -------------------------------------------------------------------------
-    def _staging_buffer(self, name: str) -> torch.Tensor:
-        param = self._params[name]
-        spare = self._spare.pop(name, None)
-        if spare is not None and spare.shape == param.shape and spare.dtype == param.dtype:
-            return spare
-        return torch.empty_like(param.data)
-
     def _pad_token_id(self) -> int:
         cfg = getattr(self._model, "generation_config", None)
         pad = getattr(cfg, "pad_token_id", None) if cfg is not None else None

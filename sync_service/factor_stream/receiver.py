@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from protocols.interfaces import FinishReport
 from protocols.params import Box, ParamMeta, box_numel, box_shape, full_box
 from protocols.recipe import Recipe
 from protocols.wire import SyncPlan
@@ -31,7 +32,6 @@ from sync_service.merge.source import MergeConfig, MergedSource
 from sync_service.merge.terms import LoraAdapter
 
 __all__ = ["FactorEngine", "FactorReceiverConfig", "FactorStateError"]
-_ALL = "all"
 
 
 class FactorStateError(RuntimeError):
@@ -95,7 +95,7 @@ class FactorEngine:
         self._st_pristine: dict[str, torch.Tensor] = {}
         self._st_covered: dict[str, int] = {}
         self._st_terms: dict[str, dict[int, TermBuffers]] = {}
-        self._remerge: dict[str, set] = {}
+        self._remerge: dict[str, None] = {}  # targets to re-merge this sync (an ordered set)
 
     # -- update lifecycle ------------------------------------------------------------------
     def begin_update(self, version: int, names: Sequence[str]) -> None:
@@ -106,10 +106,10 @@ class FactorEngine:
         for name in names:
             recipe = self._recipes.get(name)
             if recipe is not None:
-                self._remerge.setdefault(recipe.target, set()).add(_ALL if recipe.experts is None else recipe.experts)
+                self._remerge[recipe.target] = None
                 engine_names.append(recipe.target)
             elif name in self._blocks:
-                self._remerge.setdefault(name, set()).add(_ALL)
+                self._remerge[name] = None
                 engine_names.append(name)
             else:
                 engine_names.append(name)
@@ -133,7 +133,7 @@ class FactorEngine:
         else:
             self.inner.apply(name, box, data)
 
-    def finish_update(self) -> None:
+    def finish_update(self) -> FinishReport:
         """Merge every target whose pristine copy or factors changed, then finish the engine's update.
 
         Raises:
@@ -148,10 +148,10 @@ class FactorEngine:
             why = self._complete(target, pristine, terms)
             if why:
                 raise FactorStateError(f"cannot merge {target}: {why}; this receiver needs a full sync first")
-        for target, blocks in self._remerge.items():
-            self._merge(target, pristine[target], terms[target], blocks)
+        for target in self._remerge:  # whole targets: an engine stages and serves whole tensors
+            self._merge(target, pristine[target], terms[target])
         self.merge_s = time.perf_counter() - t0
-        self.inner.finish_update()
+        return self.inner.finish_update()
 
     def commit(self, version: int) -> None:
         self.inner.commit(version)
@@ -182,15 +182,17 @@ class FactorEngine:
                 return f"LoRA term {index} is missing expert blocks"
         return None
 
-    def _merge(self, target: str, w0: torch.Tensor, bufs: dict[int, TermBuffers], blocks: set) -> None:
+    def _merge(self, target: str, w0: torch.Tensor, bufs: dict[int, TermBuffers]) -> None:
+        """Merge every box of ``target`` into the engine's staging. A delta carries only the changed expert
+        blocks' factors, but an engine's update covers whole tensors (``engines.staging``: never pre-filled
+        from served values), so the unchanged blocks are re-merged from the resident W0 and terms (bitwise
+        what they were)."""
         meta = self._table[target]
         adapter = LoraAdapter(terms={target: [bufs[i].term() for i in sorted(bufs)]})
         source = MergedSource(TensorDictBase({target: w0}), adapter, config=MergeConfig(staging_bytes=self.config.staging_bytes),
                               owned=[ParamMeta(target, meta.dtype, meta.shape)])
         dtype = TORCH_DTYPES[meta.dtype]
         for box in self._boxes[target]:
-            if _ALL not in blocks and not any(a < box[0][1] and box[0][0] < b for a, b in blocks):
-                continue
             out = torch.empty(box_shape(box), dtype=dtype, device=self.device)
             source.fill(target, box, out)
             self.inner.apply(target, box, out)

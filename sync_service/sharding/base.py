@@ -9,7 +9,7 @@ up rows); replicated tensors are owned by one rank only.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -138,8 +138,3 @@ def _make_shard(meta: ParamMeta, spec: ShardSpec, read_global) -> LocalShard:
     for piece in pieces:
         local[_slices(piece.local_box)].copy_(read_global(piece.global_box))
     return LocalShard(meta=meta, local=local, pieces=pieces, owned=owns(meta, spec))
-
-
-def sharded_base_from(shards: Sequence[LocalShard]) -> ShardedBase:
-    """Build a ShardedBase from shards made elsewhere (e.g. DTensor locals, see ``fsdp.py``)."""
-    return ShardedBase({s.meta.name: s for s in shards})

@@ -31,7 +31,6 @@ __all__ = ["FactorGather", "factor_kind", "local_factors", "gather_factors"]
 _NAMES = expert_names()
 
 
-
 def factor_kind(key: str) -> str:
     """``"rows"`` (fused A), ``"rank_major"`` (fused B), ``"expert"`` (legacy per-expert) or ``"replicated"``."""
     if _NAMES.lora_a.search(key):
@@ -41,11 +40,6 @@ def factor_kind(key: str) -> str:
     if _NAMES.per_expert.search(key):
         return "expert"
     return "replicated"
-
-
-def _num_experts(state: Mapping[str, torch.Tensor]) -> int:
-    ids = [int(m.group(1)) for k in state if (m := _NAMES.per_expert.search(k))]
-    return max(ids) + 1 if ids else 0
 
 
 def local_factors(full: Mapping[str, torch.Tensor], spec: ShardSpec, *, num_experts: int) -> dict[str, torch.Tensor]:

@@ -12,14 +12,13 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import ray
+from prometheus_client.parser import text_string_to_metric_families
 
-ray = pytest.importorskip("ray")
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-
-from sync_service.api import SyncConfig, SyncError, WeightSync  # noqa: E402
-from sync_service.local import start_engines, start_trainers  # noqa: E402
-from sync_service.telemetry import STAGES  # noqa: E402
-from tests.faults import inject  # noqa: E402
+from sync_service.api import SyncConfig, SyncError, WeightSync
+from sync_service.local import start_engines, start_trainers
+from sync_service.telemetry import STAGES
+from tests.faults import inject
 
 pytestmark = pytest.mark.metrics
 ROOT = str(Path(__file__).resolve().parents[2])

@@ -44,9 +44,15 @@ def raw_bytes(t: torch.Tensor) -> bytes:
 
 
 class FailingEngine(MemoryEngine):
-    """A MemoryEngine whose ``apply`` raises once on a chosen name (a receiver failing mid-sync)."""
+    """A MemoryEngine whose ``apply`` raises once on a chosen name (a receiver failing mid-sync); counts
+    its ``finish_update`` calls (the receiver finishes once per sync)."""
 
     fail_on: str | None = None
+    finish_calls: int = 0
+
+    def finish_update(self):
+        self.finish_calls += 1
+        return super().finish_update()
 
     def apply(self, name, box, data):
         if name == self.fail_on:

@@ -13,8 +13,8 @@ import shutil
 import tempfile
 
 import pytest
+import ray
 
-ray = pytest.importorskip("ray")
 
 OBJECT_STORE_BYTES = 80 << 20
 ENV = {"OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}

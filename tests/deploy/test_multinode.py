@@ -11,6 +11,7 @@ import os
 import time
 
 import pytest
+import ray
 
 from sync_service.api import SyncConfig, WeightSync
 from sync_service.deploy_config import parse_config
@@ -19,7 +20,6 @@ from sync_service.placement import Deployment
 from sync_service.run_cli import run_versions
 from tests.e2e.conftest import assert_engines_equal
 
-ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.multinode
 
 # Ray's object store between the nodes; 45 s: a busy machine takes > 15 s to start a mailbox worker on

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-ray = pytest.importorskip("ray")
+import ray
 
 
 

@@ -6,17 +6,20 @@ reference merge (``MergedSource`` over the unsharded base + the version's adapte
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from protocols.params import DTYPE_BYTES
 from sync_service.api import PlanMismatchError, SyncConfig, WeightSync
 from sync_service.local import AdapterReplay, reference_state, start_engines, start_trainers
 from sync_service.synthetic import make_adapter, make_base
 from tests.e2e.conftest import assert_engines_equal
 
-ray = pytest.importorskip("ray")
+import ray
 
 E = 8
 CONFIG = SyncConfig(transport="shm", bucket_bytes=8 << 10, timeout_s=90)
@@ -63,7 +66,12 @@ def run_versions(trainers, engines, base, adapter, versions=3, atol=0.0) -> Weig
             replay.step(v)
         metrics = sync.push(v)
         assert metrics.full == (v == 0) and all(e.committed for e in metrics.engines)
-        assert metrics.buckets >= 2 and metrics.bytes > 0
+        assert metrics.buckets >= 2 and all(e.payload_bytes == metrics.bytes for e in metrics.engines)
+        if v == 0:  # a full sync moves every tensor once: its bytes, plus < 64 bytes of alignment per entry
+            metas = ray.get(engines[0].param_metas.remote())
+            tensor_bytes = sum(math.prod(m[2]) * DTYPE_BYTES[m[1]] for m in metas)
+            entries = len(metas) * len(trainers) + metrics.buckets  # boxes per trainer, plus cuts at bucket ends
+            assert tensor_bytes <= metrics.bytes < tensor_bytes + 64 * entries, (metrics.bytes, tensor_bytes)
         assert_engines_equal(engines, reference_state(base, replay.peft_config, replay.state), what=f"version {v}", atol=atol)
     assert set(sync.engine_versions().values()) == {versions - 1}
     return sync

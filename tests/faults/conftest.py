@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import ray
 import torch
 
-ray = pytest.importorskip("ray")
 
 ROOT = str(Path(__file__).resolve().parents[2])
 E = 4

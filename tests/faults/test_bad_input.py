@@ -8,6 +8,7 @@ import shutil
 
 import numpy as np
 import pytest
+import ray
 from safetensors.torch import load_file, save_file
 
 from sync_service.api import PlanMismatchError, SyncConfig, SyncError, WeightSync
@@ -15,7 +16,6 @@ from sync_service.local import start_engines
 from tests.faults import inject
 from tests.faults.conftest import TIMEOUT_S, Replay, assert_equal_state, engine_state
 
-ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.faults
 
 CONFIG = SyncConfig(transport="shm", bucket_bytes=1 << 10, timeout_s=TIMEOUT_S)

@@ -7,12 +7,12 @@ import threading
 import time
 
 import pytest
+import ray
 
 from sync_service.api import SyncConfig, SyncError, WeightSync
 from tests.faults import inject
 from tests.faults.conftest import TIMEOUT_S, Replay, assert_equal_state
 
-ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.faults
 
 BUCKET_BYTES = 1 << 10  # ~30 buckets per full sync of the tiny model: a sync stays in flight while a peer dies

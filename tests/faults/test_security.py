@@ -10,6 +10,7 @@ import uuid
 import msgpack
 import numpy as np
 import pytest
+import ray
 import torch
 
 from protocols.wire import BucketHeader, ProtocolError, encode, seal
@@ -22,7 +23,6 @@ from tests.conformance.peers import forge_frames
 from tests.faults import inject
 from tests.faults.conftest import TIMEOUT_S, assert_equal_state, engine_state
 
-ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.faults
 
 SECRET = new_secret()

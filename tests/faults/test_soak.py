@@ -12,13 +12,13 @@ import re
 import time
 
 import pytest
+import ray
 
 from sync_service.api import SyncConfig, WeightSync
 from sync_service.transports.shm import SEGMENT_PREFIX, SHM_DIR
 from tests.faults import inject
 from tests.faults.conftest import Replay, assert_equal_state
 
-ray = pytest.importorskip("ray")
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
 SYNCS = 500

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-ray = pytest.importorskip("ray")
+import ray
 
 
 

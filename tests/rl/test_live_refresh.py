@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import ray
 
 from sync_service.api import SyncConfig, WeightSync
 from sync_service.local import AdapterReplay, reference_state, start_engines, start_trainers
@@ -17,7 +18,6 @@ from sync_service.synthetic import make_adapter, make_base
 from tests.e2e.conftest import assert_engines_equal
 from tests.rl.conftest import set_apply_delay
 
-ray = pytest.importorskip("ray")
 
 CONFIG = dict(transport="shm", bucket_bytes=8 << 10, timeout_s=90)
 SLOW_APPLY_S = 0.04

@@ -13,8 +13,6 @@ from sync_service.rl.plot import save_reward_plot
 from sync_service.synthetic import make_adapter, make_base
 from sync_service.synthetic.demo_files import DEMO_ADAPTER, DEMO_MODEL
 
-pytest.importorskip("ray")
-
 
 @pytest.fixture(scope="module")
 def demo_files(tmp_path_factory):

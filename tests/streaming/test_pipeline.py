@@ -49,6 +49,9 @@ def test_memory_engine_commit_is_atomic_and_abort_keeps_old():
     eng.begin_update(1, ["w"])
     eng.apply("w", ((0, 2), (0, 4)), torch.ones(2, 4))
     assert eng.state_dict()["w"].sum() == 0  # staged, not served
+    with pytest.raises(ValueError, match="incomplete update 1.*w: 8/16"):
+        eng.finish_update()  # half of w: never served (staging is not pre-filled from the served values)
+    eng.apply("w", ((2, 4), (0, 4)), torch.zeros(2, 4))
     eng.finish_update()
     eng.commit(1)
     assert eng.state_dict()["w"].sum() == 8 and eng.weight_version() == 1
@@ -56,10 +59,20 @@ def test_memory_engine_commit_is_atomic_and_abort_keeps_old():
     eng.apply("w", ((0, 4), (0, 4)), torch.full((4, 4), 5.0))
     eng.abort()
     assert eng.state_dict()["w"].sum() == 8 and eng.weight_version() == 1
-    with pytest.raises(ValueError, match="does not fit"):
+    with pytest.raises(ValueError, match="outside its shape"):
         eng.begin_update(3, ["w"]) or eng.apply("w", ((0, 5), (0, 4)), torch.ones(5, 4))
     with pytest.raises(RuntimeError, match="no finished update"):
         eng.commit(3)
+
+
+class CountingEngine(MemoryEngine):
+    """Counts ``finish_update`` calls (the receiver finishes once per sync)."""
+
+    finish_calls = 0
+
+    def finish_update(self):
+        self.finish_calls += 1
+        return super().finish_update()
 
 
 class Loop:
@@ -70,7 +83,7 @@ class Loop:
                                   num_senders=num_senders, connect_timeout_s=10)
         self.txs = [open_sender(self.spec, s) for s in range(num_senders)]
         self.rx = open_receiver(self.spec, 0)
-        self.engine = MemoryEngine({n: torch.zeros_like(t) for n, t in tensors.items()})
+        self.engine = CountingEngine({n: torch.zeros_like(t) for n, t in tensors.items()})
         self.secret_tx, self.secret_rx = secret_tx, secret_rx
 
     def run(self, source, plan, version, names=None, sender=0):

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import ray
 import torch
 
-ray = pytest.importorskip("ray")
 
 FAMILIES = ("qwen3_moe", "mixtral")
 

@@ -23,10 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
-from protocols.interfaces import PauseMode
-from protocols.params import Box, ParamMeta, box_numel, box_shape
+from protocols.interfaces import FinishReport, PauseMode
+from protocols.params import Box, ParamMeta, box_numel
 from sync_service.dtypes import wire_dtype
 from sync_service.engines.hf import GenerateResult
+from sync_service.engines.staging import check_box
 from sync_service.engines.vllm.config import VLLMEngineConfig
 from sync_service.engines.vllm.gate import ServeGate
 from sync_service.engines.vllm.worker import WORKER_EXTENSION, tensor_payload
@@ -153,17 +154,14 @@ class VLLMEngine:
         shape = meta.shape
         if wire_dtype(data.dtype) != meta.dtype:
             raise ValueError(f"data for {name!r} is {data.dtype}, the engine holds {meta.dtype}; cast on the trainer side")
-        if len(box) != len(shape) or any(not (0 <= a < b <= n) for (a, b), n in zip(box, shape)):
-            raise ValueError(f"box {box} of {name!r} is outside its shape {shape}")
-        if tuple(data.shape) != box_shape(box):
-            raise ValueError(f"data for {name!r} box {box} has shape {tuple(data.shape)}, expected {box_shape(box)}")
+        check_box(name, box, shape, data)
         self._rpc("ws_apply", name, box, data if self._in_process else tensor_payload(data))
         self._applied[name] += box_numel(box)
 
-    def finish_update(self) -> dict:
+    def finish_update(self) -> FinishReport:
         """Hold generation, then reload and post-process every vLLM module the update touched.
 
-        Returns the worker's ``{"modules", "tensors", "seconds"}``.
+        Returns the worker's counts (modules reloaded, tensors staged, seconds).
 
         Raises:
             ValueError: a tensor was not covered completely (the update is aborted).
@@ -183,7 +181,7 @@ class VLLMEngine:
             self.abort()
             raise
         self._finished = True
-        return stats
+        return FinishReport(**stats)
 
     def commit(self, version: int) -> None:
         """Make ``version`` current, drop prefix caches computed under the old one, reopen generation."""

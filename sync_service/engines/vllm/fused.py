@@ -12,13 +12,16 @@ Everything else (lifecycle, generation) is the wrapped engine's.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
+from protocols.interfaces import FinishReport
 from protocols.params import Box, ParamMeta
 from sync_service.engines.hf import GenerateResult
+from sync_service.engines.staging import check_box
 from sync_service.engines.vllm.config import VLLMEngineConfig
 from sync_service.engines.vllm.engine import VLLMEngine, VLLMGeneration
 from sync_service.merge.base import SafetensorsBase
@@ -56,6 +59,7 @@ class FusedVLLMEngine:
             self._pieces[m.name] = pieces
             metas.append(ParamMeta(m.name, inner[pieces[0].name].dtype, m.shape))
         self._metas = tuple(metas)
+        self._announced = 0
         self._by_name = {m.name: m for m in metas}
 
     @classmethod
@@ -78,15 +82,13 @@ class FusedVLLMEngine:
         if unknown:
             raise KeyError(f"names not in the vLLM engine's hf-fused table: {unknown[:5]} ({len(unknown)} in all)")
         self.engine.begin_update(version, [p.name for n in names for p in self._pieces[n]])
+        self._announced = len(set(names))
 
     def apply(self, name: str, box: Box, data: torch.Tensor) -> None:
         meta = self._by_name.get(name)
         if meta is None:
             raise KeyError(f"{name!r} is not in the vLLM engine's hf-fused table")
-        if len(box) != len(meta.shape) or any(not (0 <= a <= b <= n) for (a, b), n in zip(box, meta.shape)):
-            raise ValueError(f"box {box} of {name!r} is outside its shape {meta.shape}")
-        if tuple(data.shape) != tuple(b - a for a, b in box):
-            raise ValueError(f"data for {name!r} box {box} has shape {tuple(data.shape)}")
+        check_box(name, box, meta.shape, data)
         for piece in self._pieces[name]:
             sub = tuple((max(a, pa), min(b, pb)) for (a, b), (pa, pb) in zip(box, piece.box))
             if any(a >= b for a, b in sub):
@@ -99,8 +101,9 @@ class FusedVLLMEngine:
                 rel = rel[:-2] + (rel[-1], rel[-2])
             self.engine.apply(piece.name, rel, piece.to_target(values))
 
-    def finish_update(self) -> dict:
-        return self.engine.finish_update()
+    def finish_update(self) -> FinishReport:
+        """The engine's report, with ``tensors`` counted in this adapter's (hf-fused) naming."""
+        return dataclasses.replace(self.engine.finish_update(), tensors=self._announced)
 
     def commit(self, version: int) -> None:
         self.engine.commit(version)

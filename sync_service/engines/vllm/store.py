@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from protocols.params import Box, ParamMeta, box_numel, box_shape
+from protocols.params import Box, ParamMeta
 from sync_service.dtypes import wire_dtype
+from sync_service.engines.staging import Staging
 from sync_service.merge.base import layer_order_key
 
 __all__ = ["CheckpointStore", "checkpoint_files"]
@@ -50,14 +51,6 @@ def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
     return out
 
 
-class _Staged:
-    __slots__ = ("buffer", "applied")
-
-    def __init__(self, buffer: torch.Tensor) -> None:
-        self.buffer = buffer
-        self.applied = 0
-
-
 class CheckpointStore:
     """Committed and staged checkpoint-format tensors of one engine (see the module docstring).
 
@@ -77,8 +70,7 @@ class CheckpointStore:
         order = sorted(shapes, key=lambda n: (layer_order_key(n), n))
         self._shapes = {n: shapes[n] for n in order}
         self._committed: dict[str, torch.Tensor] = {}
-        self._staged: dict[str, _Staged] = {}
-        self._spare: dict[str, torch.Tensor] = {}
+        self._staging = Staging(lambda n: torch.empty(self._shapes[n], dtype=self._dtype), "vLLM engine")
 
     # -- table -----------------------------------------------------------------------------
     def metas(self, names: Iterable[str] | None = None) -> list[ParamMeta]:
@@ -87,7 +79,7 @@ class CheckpointStore:
         return [ParamMeta(n, wire_dtype(self._dtype), s) for n, s in self._shapes.items() if keep is None or n in keep]
 
     def staged_names(self) -> list[str]:
-        return list(self._staged)
+        return self._staging.names()
 
     # -- one sync --------------------------------------------------------------------------
     def begin(self, names: Sequence[str], known: frozenset[str]) -> None:
@@ -103,43 +95,29 @@ class CheckpointStore:
                 "send tensors under the keys save_pretrained writes"
             )
         self.drop()
-        for name in dict.fromkeys(names):
-            self._staged[name] = _Staged(self._buffer(name))
+        self._staging.begin(0, names)  # the engine tracks the version
 
     def apply(self, name: str, box: Box, data: torch.Tensor) -> None:
         """Copy ``data`` into ``box`` of the staging buffer of ``name``.
 
         Raises:
-            KeyError: ``name`` was not announced in ``begin``.
-            ValueError: the box leaves the tensor, or ``data`` does not have the box's shape.
+            as ``Staging.apply``.
         """
-        staged = self._staged.get(name)
-        if staged is None:
-            raise KeyError(f"{name!r} was not announced in begin_update; announce every name a sync sends")
-        buf = staged.buffer
-        if len(box) != buf.dim() or any(not (0 <= a < b <= n) for (a, b), n in zip(box, buf.shape)):
-            raise ValueError(f"box {box} of {name!r} is outside its shape {tuple(buf.shape)}")
-        if tuple(data.shape) != box_shape(box):
-            raise ValueError(f"data for {name!r} box {box} has shape {tuple(data.shape)}, expected {box_shape(box)}")
-        buf[tuple(slice(a, b) for a, b in box)].copy_(data)
-        staged.applied += box_numel(box)
+        self._staging.apply(name, box, data)
 
     def check_complete(self) -> None:
         """Raises ``ValueError`` naming the tensors whose applied elements differ from their size."""
-        bad = {n: (s.applied, s.buffer.numel()) for n, s in self._staged.items() if s.applied != s.buffer.numel()}
-        if bad:
-            detail = ", ".join(f"{n}: {a}/{t}" for n, (a, t) in list(bad.items())[:5])
-            raise ValueError(f"incomplete update, elements applied/expected: {detail} ({len(bad)} tensors)")
+        self._staging.check_complete()
 
     def values(self, names: Iterable[str], *, staged: bool) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` in table order: staged values first (when ``staged``), else committed,
         else the checkpoint file (its own dtype; vLLM's loader casts as on a fresh start)."""
-        wanted = set(names)
+        wanted, staged_names = set(names), set(self._staging.names()) if staged else set()
         for name in self._shapes:
             if name not in wanted:
                 continue
-            if staged and name in self._staged:
-                yield name, self._staged[name].buffer
+            if name in staged_names:
+                yield name, self._staging.buffer(name)
             elif name in self._committed:
                 yield name, self._committed[name]
             else:
@@ -147,26 +125,17 @@ class CheckpointStore:
 
     def commit(self) -> None:
         """Staged values become the committed copies; replaced copies are kept as spare buffers."""
-        for name, staged in self._staged.items():
+        for name, buffer in self._staging.take().items():
             old = self._committed.get(name)
             if old is not None:
-                self._spare[name] = old
-            self._committed[name] = staged.buffer
-        self._staged = {}
+                self._staging.keep_spare(name, old)
+            self._committed[name] = buffer
 
     def drop(self) -> None:
         """Discard staging (buffers are kept for the next sync). Idempotent."""
-        for name, staged in self._staged.items():
-            self._spare[name] = staged.buffer
-        self._staged = {}
+        self._staging.drop()
 
     # -- internals -------------------------------------------------------------------------
-    def _buffer(self, name: str) -> torch.Tensor:
-        spare = self._spare.pop(name, None)
-        if spare is not None:
-            return spare
-        return torch.empty(self._shapes[name], dtype=self._dtype)
-
     def _read_file(self, name: str) -> torch.Tensor:
         with safe_open(str(self._files[name]), framework="pt") as f:
             return f.get_tensor(name)

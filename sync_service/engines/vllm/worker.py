@@ -89,7 +89,8 @@ class WorkerSync:
         self.store.apply(name, tuple(tuple(d) for d in box), tensor_from_payload(data))
 
     def finish(self) -> dict:
-        """Reload every module a staged name feeds; returns ``{"modules", "tensors", "seconds"}``.
+        """Reload every module a staged name feeds; returns ``{"modules", "tensors", "seconds"}`` (modules
+        reloaded, tensors the sync staged, seconds) — the fields of ``protocols.interfaces.FinishReport``.
 
         Raises:
             RuntimeError: no update in progress, or already finished.
@@ -99,11 +100,12 @@ class WorkerSync:
             raise RuntimeError("finish_update needs exactly one begin_update before it")
         self.store.check_complete()
         t0 = time.perf_counter()
-        modules = self._closure(self.store.staged_names())
+        staged = self.store.staged_names()
+        modules = self._closure(staged)
         names = {n for m in modules for n in self._names_of[m]}
         self._rewritten = modules
         self._reload(modules, names, staged=True)
-        return {"modules": len(modules), "tensors": len(names), "seconds": time.perf_counter() - t0}
+        return {"modules": len(modules), "tensors": len(staged), "seconds": time.perf_counter() - t0}
 
     def commit(self, version: int) -> None:
         if self._pending != version:

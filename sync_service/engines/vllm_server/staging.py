@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
+from protocols.interfaces import FinishReport
 from protocols.params import Box, ParamMeta
 from sync_service.dtypes import wire_dtype
 from sync_service.engines.vllm.fused import FusedVLLMEngine
@@ -55,8 +56,8 @@ class WorkerEngine:
             raise ValueError(f"data for {name!r} is {data.dtype}, the server holds {want}; cast on the trainer side")
         self._sync.apply(name, box, data)
 
-    def finish_update(self) -> dict:
-        return self._sync.finish()
+    def finish_update(self) -> FinishReport:
+        return FinishReport(**self._sync.finish())
 
     def commit(self, version: int) -> None:
         self._sync.commit(version)

@@ -1,0 +1,114 @@
+"""The staging every engine adapter shares: one buffer per announced tensor, box checks, completeness.
+
+An engine never writes a received box into a served tensor. ``Staging.begin`` takes one buffer per
+name announced for the sync (a buffer of an earlier sync is reused when its shape and dtype still fit),
+``apply`` checks the box and copies into the buffer, ``check_complete`` (at ``finish_update``) refuses a
+sync that did not cover every element of every announced tensor, ``take`` hands the filled buffers to the
+engine's commit, ``drop`` discards them (abort). Boxes of one sync are disjoint (the plan guarantees it;
+``protocols.wire_check`` checks it), so covered elements are counted, not tracked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from protocols.params import Box, box_numel, box_shape
+
+__all__ = ["Staging", "check_box"]
+
+
+def check_box(name: str, box: Box, shape: Sequence[int], data: torch.Tensor | None = None) -> None:
+    """Raises ValueError unless ``box`` lies inside ``shape``, is non-empty along every non-empty dimension
+    (a tensor with a zero-size dimension travels as its empty box), and ``data`` (when given) has the box's
+    shape. The one box check of every engine adapter."""
+    shape = tuple(shape)
+    if len(box) != len(shape) or any(not (0 <= a <= b <= n and (a < b or n == 0)) for (a, b), n in zip(box, shape)):
+        raise ValueError(f"box {box} of {name!r} is outside its shape {shape}")
+    if data is not None and tuple(data.shape) != box_shape(box):
+        raise ValueError(f"data for {name!r} box {box} has shape {tuple(data.shape)}, expected {box_shape(box)}")
+
+
+class Staging:
+    """Staging buffers of one engine (see the module docstring).
+
+    Args:
+        allocate: ``name → new buffer`` of the tensor's shape and dtype (contents undefined).
+        owner: the engine's name in error messages (``"HFEngine"``).
+    """
+
+    def __init__(self, allocate: Callable[[str], torch.Tensor], owner: str) -> None:
+        self._allocate = allocate
+        self._owner = owner
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._applied: dict[str, int] = {}
+        self._spare: dict[str, torch.Tensor] = {}
+        self.version: int | None = None
+        """The version being staged; ``None`` between syncs."""
+
+    def begin(self, version: int, names: Sequence[str]) -> None:
+        """Take a buffer per name (duplicates once). The caller has checked the names.
+
+        Raises:
+            RuntimeError: a sync is already staged (commit or abort it first).
+        """
+        if self.version is not None:
+            raise RuntimeError(f"{self._owner}: begin_update({version}) while version {self.version} is in progress; "
+                               f"commit or abort it first")
+        self._buffers = {n: self._buffer(n) for n in dict.fromkeys(names)}
+        self._applied = dict.fromkeys(self._buffers, 0)
+        self.version = version
+
+    def apply(self, name: str, box: Box, data: torch.Tensor) -> None:
+        """Copy ``data`` into ``box`` of ``name``'s buffer.
+
+        Raises:
+            RuntimeError: no sync begun. KeyError: ``name`` was not announced. ValueError: as ``check_box``,
+            or ``data``'s dtype is not the buffer's (a silent cast would hide a plan mismatch).
+        """
+        if self.version is None:
+            raise RuntimeError(f"{self._owner}: apply({name!r}) without begin_update")
+        buf = self._buffers.get(name)
+        if buf is None:
+            raise KeyError(f"{self._owner}: {name!r} was not announced in begin_update({self.version}); "
+                           f"announce every name a sync sends")
+        check_box(name, box, buf.shape, data)
+        if data.dtype != buf.dtype:
+            raise ValueError(f"{self._owner}: data for {name!r} is {data.dtype}, the engine holds {buf.dtype}; "
+                             f"cast on the trainer side")
+        buf[tuple(slice(a, b) for a, b in box)].copy_(data)
+        self._applied[name] += box_numel(box)
+
+    def check_complete(self) -> None:
+        """Raises ValueError naming the tensors whose applied elements differ from their size."""
+        bad = {n: (a, self._buffers[n].numel()) for n, a in self._applied.items() if a != self._buffers[n].numel()}
+        if bad:
+            detail = ", ".join(f"{n}: {a}/{t}" for n, (a, t) in list(bad.items())[:5])
+            raise ValueError(f"{self._owner}: incomplete update {self.version}, elements applied/expected: {detail} "
+                             f"({len(bad)} tensors); a sync must cover every element of every name it announces")
+
+    def names(self) -> list[str]:
+        return list(self._buffers)
+
+    def buffer(self, name: str) -> torch.Tensor:
+        return self._buffers[name]
+
+    def take(self) -> dict[str, torch.Tensor]:
+        """The filled buffers (name → tensor); staging is empty afterwards. Give replaced tensors back with
+        ``keep_spare`` so the next sync reuses them."""
+        buffers, self._buffers, self._applied, self.version = self._buffers, {}, {}, None
+        return buffers
+
+    def keep_spare(self, name: str, tensor: torch.Tensor) -> None:
+        """Keep ``tensor`` (no longer served) as ``name``'s next staging buffer."""
+        self._spare[name] = tensor
+
+    def drop(self) -> None:
+        """Discard the staged sync (buffers are kept for the next one). Idempotent."""
+        self._spare.update(self._buffers)
+        self._buffers, self._applied, self.version = {}, {}, None
+
+    def _buffer(self, name: str) -> torch.Tensor:
+        spare = self._spare.pop(name, None)
+        return spare if spare is not None else self._allocate(name)
