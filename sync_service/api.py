@@ -28,6 +28,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from sync_service import defaults
 from sync_service.coordinator import Coordinator, PlanMismatchError
 from sync_service.coordinator.join import JoinMetrics
 from sync_service.coordinator.metrics import EngineResult, SyncError, SyncMetrics
@@ -41,11 +42,11 @@ __all__ = ["EngineResult", "JoinMetrics", "PlanMismatchError", "PushHandle", "Sy
 class SyncConfig:
     """Settings of a WeightSync."""
 
-    bucket_bytes: int = 64 << 20
+    bucket_bytes: int = defaults.BUCKET_BYTES
     """Bucket payload size, bytes (multiple of 64); larger tensors are cut into boxes along dim 0."""
-    transport: str = "shm"
+    transport: str = defaults.TRANSPORT
     """``"shm"`` (same host shared memory), ``"ray"`` (object store), ``"torch"`` (torch.distributed)."""
-    timeout_s: float = 120.0
+    timeout_s: float = defaults.TIMEOUT_S
     """Bound of every blocking step of a push (connect, send, receive, commit), seconds."""
     check_finite: bool = False
     """Refuse a version whose merged weights hold NaN/Inf: the trainers' ``MergeConfig.check_finite``
@@ -53,7 +54,7 @@ class SyncConfig:
     secret: bytes | None = field(default=None, repr=False)
     """HMAC-SHA256 key authenticating every bucket (>= 16 bytes; see ``sync_service/security.py``);
     ``None``: a fresh random one per WeightSync. Never printed (excluded from repr)."""
-    delta: bool = True
+    delta: bool = defaults.DELTA
     """After an engine's first full sync, send only the names the adapter changes."""
     max_in_flight: int = 1
     """Pushes snapshotted but not yet committed, at most (back-pressure): ``push_async`` blocks (up to

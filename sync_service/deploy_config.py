@@ -16,6 +16,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sync_service import defaults
 from sync_service.transports.spec import TRANSPORTS
 
 __all__ = ["ConfigError", "DeployConfig", "load_config", "parse_config"]
@@ -92,11 +93,11 @@ class SyncSection:
 
     transport: str = "auto"
     """``auto`` (same host: shm; across hosts: Ray object store), or ``shm`` | ``ray`` | ``torch``."""
-    bucket_bytes: int = 64 << 20
+    bucket_bytes: int = defaults.BUCKET_BYTES
     """Bucket payload size, bytes (positive multiple of 64)."""
-    timeout_s: float = 120.0
+    timeout_s: float = defaults.TIMEOUT_S
     """Bound of every blocking step (placement, connect, send, receive, commit), seconds."""
-    delta: bool = True
+    delta: bool = defaults.DELTA
     """After an engine's first full sync, send only the names the adapter changes."""
 
 

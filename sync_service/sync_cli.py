@@ -20,10 +20,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sync_service import defaults
 from sync_service.preflight import (CLI_ENGINES, check_adapter, check_run_arguments, check_sharding, check_transport,
                                     fail, resolve_engines, resolve_parallel)
 from sync_service.progress import Steps
-
 from sync_service.transports.spec import TRANSPORTS
 
 PROMPTS = ([1, 5, 9, 13, 17, 21], [2, 3, 5, 7, 11, 13, 17])
@@ -50,9 +50,9 @@ class RunConfig:
     """Weight versions pushed; factors change between versions as a training step would."""
     transport: str = "shm"
     """``shm`` | ``ray`` | ``torch``."""
-    bucket_bytes: int = 1 << 20
+    bucket_bytes: int = defaults.SMALL_MODEL_BUCKET_BYTES
     """Bucket payload size, bytes."""
-    timeout_s: float = 120.0
+    timeout_s: float = defaults.TIMEOUT_S
     """Bound of every blocking step, seconds."""
     work_dir: Path | None = None
     """Where per-version adapters and merge outputs go (default: a temp dir, removed at the end)."""
@@ -242,9 +242,12 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, versions: int) -> N
                         help="number of rollout engines (default: " + ", ".join(
                             f"{e.default_count} for {k}" for k, e in CLI_ENGINES.items()) + ")")
     parser.add_argument("--versions", type=int, default=versions, help=f"weight versions to push (default {versions})")
-    parser.add_argument("--transport", choices=tuple(TRANSPORTS), default="shm", help="transport (default shm)")
-    parser.add_argument("--bucket-bytes", type=int, default=1 << 20, help="bucket size in bytes (default 1 MiB)")
-    parser.add_argument("--timeout", type=float, default=120.0, help="per-step timeout, seconds (default 120)")
+    parser.add_argument("--transport", choices=tuple(TRANSPORTS), default=defaults.TRANSPORT,
+                        help=f"transport (default {defaults.TRANSPORT})")
+    parser.add_argument("--bucket-bytes", type=int, default=defaults.SMALL_MODEL_BUCKET_BYTES,
+                        help=f"bucket size in bytes (default {defaults.SMALL_MODEL_BUCKET_BYTES >> 20} MiB)")
+    parser.add_argument("--timeout", type=float, default=defaults.TIMEOUT_S,
+                        help=f"per-step timeout, seconds (default {defaults.TIMEOUT_S:g})")
     parser.add_argument("--json", type=Path, default=None, help="write the results as JSON to this path")
     parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                         help="serve Prometheus metrics on 127.0.0.1:PORT/metrics while the run lasts (0: a free port)")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sync_service import defaults
+
 
 @dataclass(kw_only=True, slots=True)
 class RLConfig:
@@ -29,11 +31,11 @@ class RLConfig:
     """Steps averaged for the first / last window of a reward curve."""
     seed: int = 0
     """Seeds the rollout sampling (per step and prompt), so runs are comparable."""
-    bucket_bytes: int = 1 << 20
+    bucket_bytes: int = defaults.SMALL_MODEL_BUCKET_BYTES
     """``SyncConfig.bucket_bytes``."""
-    transport: str = "shm"
+    transport: str = defaults.TRANSPORT
     """``SyncConfig.transport``."""
-    timeout_s: float = 120.0
+    timeout_s: float = defaults.TIMEOUT_S
     """Bound of every blocking step, seconds."""
 
     def __post_init__(self) -> None:

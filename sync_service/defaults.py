@@ -1,0 +1,16 @@
+"""Default values of a sync, in one place: ``SyncConfig``, the ``sync`` / ``demo`` / ``run`` CLIs and the
+deploy config (``deploy_config.SyncSection``) all read them from here."""
+
+from __future__ import annotations
+
+TRANSPORT = "shm"
+"""``SyncConfig.transport`` and ``--transport``: same-host shared memory (``deploy_config`` adds ``"auto"``)."""
+BUCKET_BYTES = 64 << 20
+"""``SyncConfig.bucket_bytes`` and the deploy config's ``sync.bucket_bytes``: 64 MiB, bytes."""
+SMALL_MODEL_BUCKET_BYTES = 1 << 20
+"""``--bucket-bytes`` of the local CLIs and the RL demo, which run KB-to-MB models: 1 MiB, so a version
+still travels as several buckets (double buffering at work) in small shared-memory segments."""
+TIMEOUT_S = 120.0
+"""``SyncConfig.timeout_s``, ``--timeout`` and ``sync.timeout_s``: bound of every blocking step, seconds."""
+DELTA = True
+"""``SyncConfig.delta`` and ``sync.delta``: after a full sync, send only the tensors the adapter changes."""
