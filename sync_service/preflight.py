@@ -52,7 +52,7 @@ CLI_ENGINES: dict[str, EngineKind] = {
     "vllm-server": EngineKind(help="stock vLLM OpenAI server(s) updated through vLLM's weight-transfer API: "
                                    "--vllm-url URL for running ones, else local CPU servers started here, verified "
                                    "against a fresh vLLM on each version's merge output (docs/vllm.md)",
-                              runner="sync_service.engines.vllm_server.demo_run:execute_server", default_count=1,
+                              runner="sync_service.demo_vllm_server:execute_server", default_count=1,
                               needs_module="vllm", needs_adapter=True,
                               check_model="sync_service.engines.vllm.preflight:check_model_dir"),
 }

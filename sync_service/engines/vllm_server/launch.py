@@ -24,13 +24,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from sync_service.engines.vllm.config import VLLM_ENV
 from sync_service.engines.vllm_server.client import ServerClient, ServerError
 from sync_service.engines.vllm_server.wire import BACKEND
 
 __all__ = ["LocalServer", "free_port", "server_command"]
 
-CPU_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
-"""Environment of a CPU server: no core pinning (shared machine), 1 GiB KV cache, the RL routes."""
+CPU_ENV = {**{k: VLLM_ENV[k] for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE")}, "VLLM_SERVER_DEV_MODE": "1"}
+"""Environment of a CPU server: ``VLLM_ENV``'s CPU settings (no core pinning, 1 GiB KV cache; a server keeps
+vLLM's own process layout) and the RL routes."""
 
 
 def free_port() -> int:

@@ -5,7 +5,7 @@ weightsync backend, serving ``--base`` in its dtype); without, it starts ``--eng
 servers itself (``launch.LocalServer``) and stops them at the end. Verification per version and
 server: ``/weight_info`` reports the version, and the server's greedy ``/v1/completions`` tokens
 equal those of a fresh vLLM on the ``weightsync merge`` output of that version (the vLLM engine
-kind's oracle, ``engines.vllm.oracle``, run before any server starts). JSON: the demo's shape plus
+kind's oracle, ``vllm_oracle``, run before any server starts). JSON: the demo's shape plus
 ``"engine": "vllm-server"``; weight fields are ``null`` (vLLM's post-load layout is not the checkpoint's).
 """
 
@@ -58,8 +58,8 @@ def run_server(cfg: RunConfig) -> list[VersionRow]:
     import ray
 
     from sync_service.api import SyncConfig, WeightSync
-    from sync_service.engines.vllm.demo_run import merged_versions
-    from sync_service.engines.vllm.oracle import fresh_tokens
+    from sync_service.demo_vllm import merged_versions
+    from sync_service.vllm_oracle import fresh_tokens
     from sync_service.local import start_server_engines, start_trainers
     from sync_service.sync_cli import start_ray
 
