@@ -54,7 +54,10 @@ class _Method:
     name: str
 
     def remote(self, *args, **kwargs):
-        """An ``ObjectRef`` of the call's result (as an actor method's ``.remote``)."""
+        """An ``ObjectRef`` of the call's result (as an actor method's ``.remote``); ``__ray_ready__``
+        asks the actor itself (it answers while a send or a training step runs on another thread)."""
+        if self.name == "__ray_ready__":
+            return self.handle.actor.__ray_ready__.remote()
         return self.handle.actor.__ray_call__.remote(_dispatch, self.handle.endpoint_id, self.name, *args, **kwargs)
 
 
@@ -75,7 +78,7 @@ class EndpointHandle:
     world: int
 
     _METHODS = frozenset({"owned_metas", "open_transport", "close_transport", "snapshot", "send", "drop_snapshot",
-                          "report"})
+                          "__ray_ready__"})
 
     def __getattr__(self, name: str) -> _Method:
         if name not in EndpointHandle._METHODS:

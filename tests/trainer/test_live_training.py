@@ -77,6 +77,7 @@ def test_step_during_a_held_send_leaves_the_snapshot(bases, engines, ranks, tmp_
         ray.get([r.hold_sends.remote() for r in ranks])
         handle = sync.push_async(1)
         ray.get([r.train_step.remote() for r in ranks], timeout=120)  # runs while both sends are held
+        assert ray.get([h.__ray_ready__.remote() for h in handles], timeout=60) == [True, True]  # still answering
         newer = adapter_of(ranks)
         assert differs(newer, snapshot)
         ray.get([r.release_sends.remote() for r in ranks])
