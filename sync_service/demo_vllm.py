@@ -3,7 +3,8 @@
 Same run and ``--json`` shape as the default demo (``sync_service.sync_cli``), with one engine kind
 changed: 2 trainer shards (EP=2 by default) → one ``RolloutEngine(engine="vllm")`` (vLLM in the
 actor's process, ``FusedVLLMEngine``). Verification per version: the engine's greedy tokens equal
-those of a fresh vLLM started on the ``weightsync merge`` output of that version (``vllm_oracle``, run
+those of a fresh vLLM started on PEFT's own ``merge_and_unload`` of that version (float64, cast
+once, saved with ``save_pretrained``: ``merge.peft_oracle``; ``vllm_oracle``, run
 in a subprocess before the engine under test starts, so one vLLM engine runs at a time). Weights
 are not read back from vLLM (its post-load layout is not the checkpoint's): the weight fields of
 the JSON rows are ``null``.
@@ -19,7 +20,7 @@ from sync_service.progress import Steps
 from sync_service.sync_cli import (MAX_NEW_TOKENS, PROMPTS, RunConfig, VersionRow, announce_metrics, print_row,
                                    run_and_report)
 
-__all__ = ["execute_vllm", "merged_versions"]
+__all__ = ["execute_vllm", "merged_versions", "peft_versions"]
 
 
 def merged_versions(base: Path, adapter: Path, versions: int, work: Path) -> dict[int, Path]:
@@ -33,6 +34,20 @@ def merged_versions(base: Path, adapter: Path, versions: int, work: Path) -> dic
             replay.step(v)
         out[v] = work / f"v{v}" / "merged"
         merge_checkpoint(base, replay.save(work / f"v{v}" / "adapter"), out[v], target="hf", progress=False)
+    return out
+
+
+def peft_versions(base: Path, adapter: Path, versions: int, work: Path) -> dict[int, Path]:
+    """PEFT's ``merge_and_unload`` of each version's adapter (float64, cast once; ``merge.peft_oracle``)
+    saved as a checkpoint, factors stepped as the trainers do: the independent oracle's checkpoints."""
+    from sync_service.local import AdapterReplay
+    from sync_service.merge.peft_oracle import save_peft_merged
+
+    replay, out = AdapterReplay(adapter), {}
+    for v in range(versions):
+        if v:
+            replay.step(v)
+        out[v] = save_peft_merged(base, replay.save(work / f"v{v}" / "adapter"), work / f"v{v}" / "peft_merged")
     return out
 
 
@@ -51,8 +66,8 @@ def run_vllm(cfg: RunConfig) -> list[VersionRow]:
     rows: list[VersionRow] = []
     steps = Steps(3 + cfg.versions)
     try:
-        steps.step(f"merging {cfg.versions} version(s) and decoding them on fresh vLLM engines (the oracle)")
-        merged = merged_versions(cfg.base, cfg.adapter, cfg.versions, cfg.work_dir or tmp / "work")
+        steps.step(f"merging {cfg.versions} version(s) with PEFT and decoding them on fresh vLLM engines (the oracle)")
+        merged = peft_versions(cfg.base, cfg.adapter, cfg.versions, cfg.work_dir or tmp / "work")
         expected = fresh_tokens({str(v): d for v, d in merged.items()}, PROMPTS, MAX_NEW_TOKENS,
                                 timeout_s=max(600.0, cfg.timeout_s))
         steps.step("starting a local Ray, the trainer shards and the vLLM engine")

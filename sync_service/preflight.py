@@ -141,10 +141,12 @@ def check_adapter(args: argparse.Namespace, base: Path, adapter: Path, flag: str
     from sync_service.merge.adapter import load_adapter
     from sync_service.merge.base import SafetensorsBase
     from sync_service.merge.errors import MergeError
+    from sync_service.merge.source import check_untied_owned
 
     try:
         head = SafetensorsBase(base)
-        load_adapter(adapter, head.layout, head.metas(), tied_aliases=head.tied_aliases)
+        lora = load_adapter(adapter, head.layout, head.metas(), tied_aliases=head.tied_aliases)
+        check_untied_owned(lora, head.metas())  # engines load this base: they cannot untie its embeddings
     except MergeError as exc:
         fail(args, f"{flag}: {exc}")
 

@@ -93,22 +93,19 @@ def run_versions(cfg: DeployConfig, deployment, sync, first_version: int = 0, ve
 
 
 def verify_weights(cfg: DeployConfig, engines: list, replay) -> list[dict]:
-    """Per engine: its weights equal the reference merge (bitwise; 2.4e-7 with TP blocks)."""
-    import numpy as np
+    """Per engine: its weights equal PEFT's ``merge_and_unload`` of the version's adapter (float64,
+    cast once: ``merge.peft_oracle``; up to fp32 rounding, +2.4e-7 with TP blocks)."""
     import ray
-    import torch
 
-    from sync_service.local import reference_state
+    from sync_service.merge.peft_oracle import compare_state, peft_merged_state
 
-    reference = reference_state(cfg.model.base, getattr(replay, "peft_config", None), getattr(replay, "state", None))
-    atol = 0.0 if cfg.trainers.tp == 1 else 2.4e-7  # TP blocks: fp32 GEMM rounding depends on the block shape
+    with tempfile.TemporaryDirectory(prefix="wsoracle") as work:  # the replayed adapter, as PEFT reads it
+        oracle = peft_merged_state(cfg.model.base, None if replay is None else replay.save(Path(work) / "adapter"))
+    extra_atol = 0.0 if cfg.trainers.tp == 1 else 2.4e-7  # TP blocks: fp32 GEMM rounding depends on the block shape
     out = []
     for engine in engines:
-        state = ray.get(engine.state.remote(), timeout=cfg.sync.timeout_s)
-        diff = max((float(np.abs(state[n].astype(np.float64) - (t.float() if t.dtype == torch.bfloat16 else t)
-                                 .double().numpy()).max()) for n, t in reference.items() if n in state), default=0.0)
-        ok = set(state) == set(reference) and diff <= atol
-        out.append({"verified": bool(ok), "weights_equal_reference": bool(ok), "max_abs_diff": diff,
+        check = compare_state(ray.get(engine.state.remote(), timeout=cfg.sync.timeout_s), oracle, extra_atol=extra_atol)
+        out.append({"verified": check.ok, "weights_equal_reference": check.ok, "max_abs_diff": check.max_abs_diff,
                     "weight_version": ray.get(engine.weight_version.remote(), timeout=cfg.sync.timeout_s)})
     return out
 

@@ -2,10 +2,12 @@
 engines on a local Ray, and verify every version.
 
 Per version: (version > 0: every trainer takes a deterministic training step on its factors) →
-``WeightSync.push`` → verify on every engine that (a) its weights equal the reference merge
-(``MergedSource`` over the unsharded base + the version's adapter, replayed on the driver), (b) they
-equal the ``weightsync merge`` output of that version read back, and (c) its greedy generations
-equal those of a transformers model loaded (``from_pretrained``) from that merge output.
+``WeightSync.push`` → verify on every engine that (a) its weights equal PEFT's own
+``merge_and_unload`` of that version's adapter (replayed on the driver; float64, cast once: an
+oracle independent of weightsync's merge, ``merge.peft_oracle``) up to the rounding of an
+fp32-accumulated merge, (b) they equal the ``weightsync merge`` output of that version read back
+(same tolerance: the file and the stream merge in tiles of different shapes), and (c) its greedy
+generations equal those of the PEFT-merged model.
 """
 
 from __future__ import annotations
@@ -159,44 +161,39 @@ def announce_metrics(sync) -> None:
 
 
 def verify_version(cfg: RunConfig, vdir: Path, replay, engines) -> list[dict]:
-    """Check every engine against the reference merge, the merge output and its generations."""
-    import numpy as np
+    """Check every engine against the independent oracle, PEFT's ``merge_and_unload`` of this
+    version's adapter (float64, cast once: ``merge.peft_oracle``): its weights (up to the rounding
+    of an fp32-accumulated merge) and its greedy generations; and its weights against the
+    ``weightsync merge`` output of the version (same tolerance)."""
     import ray
-    import torch
 
     from sync_service.engines.hf import HFEngine
-    from sync_service.local import reference_state
     from sync_service.merge.export import merge_checkpoint
+    from sync_service.merge.peft_oracle import checkpoint_state, compare_state, peft_merged_model
 
-    reference = reference_state(cfg.base, getattr(replay, "peft_config", None), getattr(replay, "state", None))
-    merged = vdir / "merged"
-    if replay is not None:
-        merge_checkpoint(cfg.base, replay.save(vdir / "adapter"), merged, target="hf", progress=False)
-    else:
-        merged = cfg.base
-    model = HFEngine.from_pretrained(merged)
-    expected = [model.generate(p, MAX_NEW_TOKENS).tokens for p in PROMPTS]
-    atol = 0.0 if cfg.tp == 1 else 2.4e-7  # TP blocks: fp32 GEMM rounding depends on the block shape
+    adapter = None if replay is None else replay.save(vdir / "adapter")
+    model = peft_merged_model(cfg.base, adapter)
+    oracle = {n: p.detach() for n, p in model.named_parameters()}
+    oracle_engine = HFEngine(model)
+    expected = [oracle_engine.generate(p, MAX_NEW_TOKENS).tokens for p in PROMPTS]
+    merged = cfg.base
+    if adapter is not None:
+        merged = vdir / "merged"
+        merge_checkpoint(cfg.base, adapter, merged, target="hf", progress=False)
+    written = checkpoint_state(merged)
+    extra_atol = 0.0 if cfg.tp == 1 else 2.4e-7  # TP blocks: fp32 GEMM rounding depends on the block shape
     out = []
     for engine in engines:
         state = ray.get(engine.state.remote(), timeout=cfg.timeout_s)
-        diffs = {n: float(np.abs(state[n].astype(np.float64) - _np(t)).max()) for n, t in reference.items() if n in state}
-        weights_ok = set(state) == set(reference) and max(diffs.values(), default=0.0) <= atol
-        merge_bad = ray.get(engine.mismatches.remote(str(merged)), timeout=cfg.timeout_s)
+        check = compare_state(state, oracle, extra_atol=extra_atol)
+        merge_ok = compare_state(state, written, extra_atol=extra_atol).ok
         gens = [ray.get(engine.generate.remote(list(p), MAX_NEW_TOKENS), timeout=cfg.timeout_s) for p in PROMPTS]
         gen_ok = [g[0] for g in gens] == expected
-        out.append({"verified": bool(weights_ok and (atol > 0 or not merge_bad) and gen_ok),
-                    "weights_equal_reference": bool(weights_ok), "max_abs_diff": max(diffs.values(), default=0.0),
-                    "weights_equal_merge_output": not merge_bad, "generations_equal": bool(gen_ok),
+        out.append({"verified": bool(check.ok and merge_ok and gen_ok),
+                    "weights_equal_reference": check.ok, "max_abs_diff": check.max_abs_diff,
+                    "weights_equal_merge_output": merge_ok, "generations_equal": bool(gen_ok),
                     "weight_version": gens[0][1]})
-    del torch
     return out
-
-
-def _np(t):
-    import torch
-
-    return (t.float() if t.dtype == torch.bfloat16 else t).double().numpy()
 
 
 def print_header() -> None:

@@ -31,8 +31,7 @@ from sync_service.merge.inputs import read_json_object
 from sync_service.merge.source import MergeConfig, MergedSource
 from sync_service.merge.targets import TARGETS, Piece, target_pieces
 
-# Non-weight files of a model directory copied to the output when present.
-_COPIED = (
+COPIED_FILES = (  # non-weight files of a model directory, copied to the output when present
     "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
     "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
     "chat_template.json", "preprocessor_config.json", "processor_config.json",
@@ -98,7 +97,7 @@ def _write_config(base_dir: Path, out: Path, dtype: str | None, untied: bool) ->
                 cfg["tie_word_embeddings"] = False
         config["tie_word_embeddings"] = False
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    for name in _COPIED:
+    for name in COPIED_FILES:
         if (base_dir / name).is_file():
             shutil.copy2(base_dir / name, out / name)
 

@@ -40,9 +40,13 @@ class MergeConfig:
     """Raise ``MergeError`` naming the tensor when a merged value is NaN or Inf (costs one pass)."""
 
 
-def _check_untied_owned(adapter: LoraAdapter, owned: Sequence[ParamMeta]) -> None:
-    """Boxes owned for a sync come from the engines' parameter table; an engine loaded from a tied
-    base holds one tensor for a tied pair and cannot take the separate tensor the adapter needs."""
+def check_untied_owned(adapter: LoraAdapter, owned: Sequence[ParamMeta]) -> None:
+    """Refuse a sync whose merged model unties embeddings the engines hold tied.
+
+    ``owned`` (the boxes a sync produces) follows the engines' parameter table; an engine loaded from
+    a tied base holds one tensor for both names and cannot take the separate one the adapter needs
+    (``adapter.untied``), so syncing would leave it wrong. ``weightsync merge`` writes the untied
+    model instead. Raises ``MergeError`` naming both tensors and the fix (an untied base)."""
     names = {m.name for m in owned}
     for alias, kept in adapter.untied.items():
         if alias not in names and kept in names:
@@ -96,7 +100,7 @@ class MergedSource:
         if owned is None:
             owned = [ParamMeta(m.name, config.out_dtype or m.dtype, m.shape) for m in self._base_metas.values()]
         else:
-            _check_untied_owned(self.adapter, owned)
+            check_untied_owned(self.adapter, owned)
         self._owned = list(owned)
         self._boxes: dict[str, list[Box]] = {}
         self._dtypes: dict[str, str] = {}

@@ -1,0 +1,142 @@
+"""The independent oracle: PEFT's own ``merge_and_unload`` of an adapter, in float64, cast once.
+
+Nothing of weightsync's merge runs here: transformers loads the base checkpoint in float64, PEFT
+applies the adapter (``PeftModel.from_pretrained``) and merges it (``merge_and_unload``), and every
+parameter is cast once to the dtype the engines serve (the base's ``config.json`` dtype). What
+``weightsync sync`` and ``weightsync demo`` call "verified" is equality with this model, so a merge
+rule weightsync gets wrong (a tying, an orientation, a scaling) cannot verify itself.
+
+Names are the transformers v5 in-memory ("hf-fused") parameter names, as the HF engine reports them;
+tied parameters appear once (``named_parameters``), and a pair PEFT unties (modules_to_save on a tied
+embedding) appears twice. Memory: the whole model in float64 (8 bytes per parameter) for the call.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from sync_service.merge.export import COPIED_FILES
+
+__all__ = ["StateCheck", "checkpoint_state", "compare_state", "peft_merged_model", "peft_merged_state", "save_peft_merged", "values_match"]
+
+
+def _serving_dtype(base_dir: Path) -> torch.dtype:
+    """The dtype ``from_pretrained`` gives the base by default (``config.json`` ``dtype``; float32 if unset)."""
+    from transformers import AutoConfig
+
+    dtype = getattr(AutoConfig.from_pretrained(str(base_dir)), "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+
+def peft_merged_model(base_dir: str | Path, adapter_dir: str | Path | None) -> torch.nn.Module:
+    """The base with the adapter merged by PEFT in float64, then cast once to the serving dtype.
+
+    ``adapter_dir=None``: the base itself (loaded in float64 and cast back: its exact values).
+    Eval mode. Raises what transformers / PEFT raise for a base or adapter they cannot load.
+    """
+    from transformers import AutoModelForCausalLM
+
+    base_dir = Path(base_dir)
+    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float64, use_safetensors=True)
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+    return model.to(_serving_dtype(base_dir)).train(False)
+
+
+def peft_merged_state(base_dir: str | Path, adapter_dir: str | Path | None) -> dict[str, torch.Tensor]:
+    """``named_parameters`` of ``peft_merged_model``: name → tensor in the serving dtype."""
+    return {n: p.detach() for n, p in peft_merged_model(base_dir, adapter_dir).named_parameters()}
+
+
+def checkpoint_state(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors checkpoint in hf-fused naming (``SafetensorsBase``: per-expert
+    keys assembled into fused tensors), e.g. a ``weightsync merge`` output, for ``compare_state``."""
+    from protocols.params import full_box
+    from sync_service.merge.base import SafetensorsBase
+
+    checkpoint = SafetensorsBase(model_dir)
+    return {m.name: checkpoint.read(m.name, full_box(m.shape)) for m in checkpoint.metas()}
+
+
+def save_peft_merged(base_dir: str | Path, adapter_dir: str | Path | None, out_dir: str | Path) -> Path:
+    """``peft_merged_model`` written with ``save_pretrained`` (safetensors), plus the base's tokenizer
+    and generation files, so an engine can start from it. Returns ``out_dir``."""
+    base_dir, out_dir = Path(base_dir), Path(out_dir)
+    peft_merged_model(base_dir, adapter_dir).save_pretrained(str(out_dir))
+    for name in COPIED_FILES:
+        if (base_dir / name).is_file() and not (out_dir / name).exists():
+            shutil.copy2(base_dir / name, out_dir / name)
+    return out_dir
+
+
+def values_match(served: torch.Tensor, oracle: torch.Tensor, *, extra_atol: float = 0.0) -> tuple[bool, float]:
+    """Whether served values equal the oracle's up to the rounding of an fp32-accumulated merge.
+
+    Both tensors in the serving dtype, same shape. Allowed per element: ``8·eps32·(|oracle| +
+    max|oracle|)`` (fp32 accumulation of W + s·B@A rounds relative to the terms, not to their sum),
+    plus, for narrow dtypes (bf16, fp16), one unit in the last place of the oracle value (rounding
+    from fp32 and from float64 may land on adjacent representables), plus ``extra_atol``. A merge
+    rule gone wrong (orientation, scaling, a missing term) misses by orders of magnitude more.
+    Returns ``(ok, max |Δ|)`` with ``max |Δ|`` in float64.
+    """
+    if served.shape != oracle.shape or served.dtype != oracle.dtype:
+        return False, float("inf")
+    diff = (served.double() - oracle.double()).abs()
+    max_diff = float(diff.max()) if diff.numel() else 0.0
+    if not served.is_floating_point():
+        return bool(torch.equal(served, oracle)), max_diff
+    scale = oracle.double().abs()
+    bound = 8 * torch.finfo(torch.float32).eps * (scale + (scale.max() if scale.numel() else 0.0)) + extra_atol
+    if torch.finfo(served.dtype).bits <= 16:
+        bound = bound + _ulp(oracle)
+    return bool((diff <= bound).all()), max_diff
+
+
+def _ulp(values: torch.Tensor) -> torch.Tensor:
+    """The spacing of representables just above ``|values|`` in their dtype, as float64 (normal range)."""
+    finfo = torch.finfo(values.dtype)
+    _, exponent = torch.frexp(values.double())  # |v| = m·2^e, m in [0.5, 1)
+    ulp = torch.ldexp(torch.full_like(values, finfo.eps, dtype=torch.float64), exponent - 1)
+    return torch.where(values == 0, torch.full_like(ulp, finfo.tiny), ulp)
+
+
+@dataclass(frozen=True, slots=True)
+class StateCheck:
+    """An engine's served parameters against the oracle's.
+
+    Attributes:
+        ok: same names, and every tensor ``values_match`` the oracle's.
+        max_abs_diff: largest ``|served − oracle|`` over the common names (float64; ``inf`` for a
+            shape/dtype mismatch).
+        mismatched: names that differ, are missing on the engine or unexpected there (sorted).
+    """
+
+    ok: bool
+    max_abs_diff: float
+    mismatched: tuple[str, ...]
+
+
+def compare_state(served: Mapping[str, Any], oracle: Mapping[str, torch.Tensor], *, extra_atol: float = 0.0) -> StateCheck:
+    """``served`` (name → tensor or numpy array, e.g. ``RolloutEngine.state()``; bf16 may come widened to
+    fp32) against ``oracle`` (``peft_merged_state``): each served tensor is taken in the oracle's dtype."""
+    bad = set(served) ^ set(oracle)
+    worst = 0.0
+    for name in set(served) & set(oracle):
+        want = oracle[name]
+        got = served[name] if torch.is_tensor(served[name]) else torch.from_numpy(np.array(served[name]))
+        ok, diff = values_match(got.to(want.dtype) if got.shape == want.shape else got, want, extra_atol=extra_atol)
+        worst = max(worst, diff)
+        if not ok:
+            bad.add(name)
+    return StateCheck(ok=not bad, max_abs_diff=worst, mismatched=tuple(sorted(bad)))
