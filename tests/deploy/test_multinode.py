@@ -57,7 +57,8 @@ def test_weightsync_run_cli_on_the_cluster(cluster, tiny_files, tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     result = json.loads((tmp_path / "run.json").read_text())
     assert result["ok"] and [v["version"] for v in result["versions"]] == [0, 1]
-    assert all(e["max_abs_diff"] == 0.0 for v in result["versions"] for e in v["engines"])
+    # verified against PEFT's merge_and_unload (float64, cast once): equal up to fp32-merge rounding
+    assert all(e["verified"] and e["max_abs_diff"] < 1e-6 for v in result["versions"] for e in v["engines"])
     placed = result["placement"]
     assert placed["trainer_nodes"] == [cluster.head_node.node_id]
     assert placed["engine_nodes"][0] in {n.node_id for n in cluster.rollout_nodes}
@@ -95,7 +96,8 @@ def test_actors_placed_by_resource_and_three_versions_exact(cluster, deployed):
     deployed["next_version"] = 3
     assert [r.version for r in rows] == [0, 1, 2] and [r.full for r in rows] == [True, False, False]
     assert all(r.verified for r in rows), [r.engines for r in rows]
-    assert all(e["max_abs_diff"] == 0.0 and e["weight_version"] == r.version for r in rows for e in r.engines)
+    # verified against PEFT's merge (float64, cast once: fp32-merge rounding apart); bitwise vs our merge below
+    assert all(e["max_abs_diff"] < 1e-6 and e["weight_version"] == r.version for r in rows for e in r.engines)
     assert_engines_equal(dep.engines, reference_state(cfg.model.base, deployed["replay"].peft_config,
                                                       deployed["replay"].state), what="version 2")
 
