@@ -4,11 +4,13 @@ merge bit for bit after every version; deltas move factor blocks only; a late jo
 
 from __future__ import annotations
 
+import math
 import shutil
 import tempfile
 
 import pytest
 
+from protocols.params import DTYPE_BYTES
 from sync_service.api import SyncConfig, WeightSync
 from sync_service.local import AdapterReplay, reference_state, start_engines, start_trainers
 from sync_service.synthetic import make_adapter, make_base
@@ -39,7 +41,11 @@ def test_factor_mode_three_versions_bitwise_then_late_joiner_gets_full_sync(ray_
             else:
                 assert 0 < metrics.bytes < full_bytes / 2, (metrics.bytes, full_bytes)
         states = ray.get([e.factor_state.remote() for e in engines])
-        assert all(s["ready"] and s["resident_bytes"] > 0 for s in states)
+        # every engine holds the same resident set: at least the pristine copy of each factor target
+        table = {m[0]: m for m in ray.get(engines[0].param_metas.remote())}
+        pristine = sum(math.prod(table[n][2]) * DTYPE_BYTES[table[n][1]] for n in metrics.factor_tensors)
+        assert all(s["ready"] for s in states) and len({s["resident_bytes"] for s in states}) == 1
+        assert states[0]["resident_bytes"] >= pristine > 0, (states, pristine)
         late = start_engines(base, 1, prefix="late")
         sync.add_engine(late[0])
         ray.get([t.train_step.remote(3) for t in trainers])
