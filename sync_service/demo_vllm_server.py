@@ -37,9 +37,7 @@ def _servers(cfg: RunConfig, stack: contextlib.ExitStack, log_dir: Path) -> list
 
 def _row(v: int, m, engines: list[dict]) -> VersionRow:
     return VersionRow(version=v, full=m.full, bytes=m.bytes, buckets=m.buckets, seconds=m.seconds,
-                      gb_per_s=m.gb_per_s, engines=engines,
-                      stages={k: getattr(m, k) for k in ("gather_s", "merge_s", "pack_s", "transfer_s", "apply_s",
-                                                          "commit_s")})
+                      gb_per_s=m.gb_per_s, engines=engines, stages=m.stage_seconds())
 
 
 def _verify(engine, name: str, v: int, expected: list, timeout_s: float) -> dict:
