@@ -21,7 +21,6 @@ Every call runs inside vLLM's engine-core loop: no generation step runs while on
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import torch
@@ -144,7 +143,7 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
             self._engine().abort()
             self._received = None
             return {"aborted": True}
-        raise ValueError(f"unknown weightsync command {op!r}; use table, status or abort ({json.dumps(body)[:80]})")
+        raise ValueError(f"unknown weightsync command {op!r}; use table, status or abort")
 
     def _engine(self):
         if self._adapter is None:
