@@ -1,8 +1,10 @@
 """``RolloutEngine``: a Ray actor hosting one rollout engine (an ``EngineAdapter``) — receive side.
 
-Threaded (``max_concurrency=4``): ``generate`` keeps serving the committed version while ``receive``
-stages the next one; ``commit`` swaps it in between two generations (see ``engines/hf.py``).
-Arguments and results are plain values (lists, ints, numpy arrays, msgpack bytes).
+Implements ``protocols.endpoints.RolloutEndpoint`` (the calls the coordinator makes; requests and
+reports are the frozen dataclasses declared there). Threaded (``max_concurrency=4``): ``generate``
+keeps serving the committed version while ``receive`` stages the next one; ``commit`` swaps it in
+between two generations (see ``engines/hf.py``). One channel per owner (coordinator or late join):
+a second coordinator on the same engines never closes the first one's channel.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ import numpy as np
 import ray
 import torch
 
-from actors.trainer import meta_to_list
+from protocols.endpoints import ExportReport, ExportRequest, FactorStateReport, OpenChannel, ReceiveReport
+from protocols.params import ParamMeta
 from protocols.wire import SyncPlan
 from protocols.wire_check import decode
 
@@ -46,9 +49,9 @@ def _memory(model_dir: str):
     return MemoryEngine({m.name: base.read(m.name, full_box(m.shape)).clone() for m in base.metas()})
 
 
-@ray.remote(num_cpus=0, max_concurrency=4)
-class RolloutEngine:
-    """One rollout engine, started from the checkpoint in ``model_dir`` (usually the base)."""
+class RolloutEngineCore:
+    """One rollout engine, started from the checkpoint in ``model_dir`` (usually the base). The plain
+    class behind the ``RolloutEngine`` actor."""
 
     def __init__(self, *, model_dir: str, engine: str = "hf", name: str = "engine") -> None:
         torch.set_num_threads(1)
@@ -56,32 +59,33 @@ class RolloutEngine:
             raise ValueError(f"unknown engine {engine!r}; use one of {sorted(ENGINES)}")
         self.name = name
         self.engine = ENGINES[engine](model_dir)
-        self._receiver = None
-        self._transport = None
+        self._channels: dict[str, tuple] = {}  # owner -> (TransportReceiver, BucketReceiver, FactorEngine | None)
         self._factor_engine = None  # sync_service.factor_stream.FactorEngine over self.engine, for factor plans
 
     def engine_name(self) -> str:
         return self.name
 
-    def param_metas(self) -> list[list]:
-        """The engine's own parameter table, as ``[name, dtype, shape, None]`` lists."""
-        return [meta_to_list(m) for m in self.engine.param_metas()]
+    def param_metas(self) -> tuple[ParamMeta, ...]:
+        """The engine's own parameter table (whole tensors)."""
+        return tuple(self.engine.param_metas())
 
     def weight_version(self) -> int | None:
         return self.engine.weight_version()
 
-    def open_transport(self, spec_bytes: bytes, plan_bytes: bytes, receiver: int, *, secret: bytes | None = None) -> None:
-        """Open the receiver side of a channel for the combined plan. Blocks until peers connect.
-        ``secret``: the session's HMAC key; a bucket without a valid mac is refused, nothing applied."""
+    def open_transport(self, request: OpenChannel) -> None:
+        """Open the receiver side of ``request.owner``'s channel for its plan. Blocks until the senders
+        connected. A bucket without a valid mac under ``request.secret`` is refused, nothing applied."""
         from sync_service.streaming.receiver import BucketReceiver
         from sync_service.transports import TransportSpec, open_receiver
 
-        self.close_transport()
-        plan = decode(plan_bytes)
+        self.close_transport(request.owner)
+        plan = decode(request.plan)
         if not isinstance(plan, SyncPlan):
-            raise ValueError(f"open_transport: plan_bytes decode to {type(plan).__name__}, not a SyncPlan")
-        self._transport = open_receiver(TransportSpec.from_bytes(spec_bytes), receiver=receiver)
-        self._receiver = BucketReceiver(self._updater_for(plan), plan, receiver=receiver, secret=secret)
+            raise ValueError(f"open_transport: plan decodes to {type(plan).__name__}, not a SyncPlan")
+        transport = open_receiver(TransportSpec.from_bytes(request.spec), receiver=request.index)
+        updater = self._updater_for(plan)
+        receiver = BucketReceiver(updater, plan, receiver=request.index, secret=request.secret)
+        self._channels[request.owner] = (transport, receiver, None if updater is self.engine else updater)
 
     def _updater_for(self, plan: SyncPlan):
         """The engine itself, or for a factor plan the ``FactorEngine`` over it (kept across channel
@@ -95,34 +99,45 @@ class RolloutEngine:
             self._factor_engine = FactorEngine(self.engine, plan)
         return self._factor_engine
 
-    def factor_state(self) -> dict:
-        """``{"ready": bool, "resident_bytes": int, "merge_s": float}`` of factor streaming
-        (ready: a factor delta can apply; resident_bytes: pristine copies + factors held)."""
+    def factor_state(self) -> FactorStateReport:
+        """Factor streaming state (``ready``: a factor delta can apply; ``resident_bytes``: pristine
+        copies + factors held)."""
         fe = self._factor_engine
         if fe is None:
-            return {"ready": False, "resident_bytes": 0, "merge_s": 0.0}
-        return {"ready": fe.factor_ready(), "resident_bytes": fe.resident_bytes(), "merge_s": fe.merge_s}
+            return FactorStateReport(ready=False, resident_bytes=0, merge_s=0.0)
+        return FactorStateReport(ready=fe.factor_ready(), resident_bytes=fe.resident_bytes(), merge_s=fe.merge_s)
 
-    def close_transport(self) -> None:
-        if self._transport is not None:
-            self._transport.close()
-            self._transport, self._receiver = None, None
+    def close_transport(self, owner: str | None = None) -> None:
+        """Close ``owner``'s channel (``None``: every channel). Idempotent."""
+        for key in list(self._channels) if owner is None else [owner]:
+            entry = self._channels.pop(key, None)
+            if entry is not None:
+                entry[0].close()
 
-    def receive(self, timeout_s: float) -> dict:
-        """Receive one whole sync (staged, acked, not committed); returns its stats (seconds, bytes)."""
-        if self._receiver is None:
-            raise RuntimeError("receive before open_transport")
-        s = self._receiver.receive_sync(self._transport, timeout_s=timeout_s, commit=False)
-        return {"engine": self.name, "version": s.version, "buckets": s.buckets, "entries": s.entries,
-                "payload_bytes": s.payload_bytes, "wait_s": s.wait_s, "verify_s": s.verify_s,
-                "apply_s": s.apply_s, "finish_s": s.finish_s, "total_s": s.total_s}
+    def receive(self, owner: str, timeout_s: float) -> ReceiveReport:
+        """Receive one whole sync over ``owner``'s channel: staged, verified, acked, not committed."""
+        if owner not in self._channels:
+            raise RuntimeError(f"{self.name}: receive before open_transport (channel {owner!r})")
+        transport, receiver, _ = self._channels[owner]
+        s = receiver.receive_sync(transport, timeout_s=timeout_s, commit=False)
+        return ReceiveReport(engine=self.name, version=s.version, buckets=s.buckets, entries=s.entries,
+                             payload_bytes=s.payload_bytes, wait_s=s.wait_s, verify_s=s.verify_s, apply_s=s.apply_s,
+                             finish_s=s.finish_s, total_s=s.total_s)
 
-    def commit(self, version: int) -> None:
-        (self._factor_engine or self.engine).commit(version)
+    def commit(self, owner: str, version: int) -> None:
+        """Serve the version staged by ``owner``'s last receive, atomically; caches are reset."""
+        self._updater(owner).commit(version)
         self.engine.reset_caches()
 
-    def abort(self) -> None:
-        (self._factor_engine or self.engine).abort()
+    def abort(self, owner: str) -> None:
+        """Drop what ``owner``'s channel staged; the previous version stays served."""
+        self._updater(owner).abort()
+
+    def _updater(self, owner: str):
+        entry = self._channels.get(owner)
+        if entry is None:
+            return self._factor_engine or self.engine
+        return entry[2] or self.engine
 
     def generate(self, prompt_token_ids: list[int], max_new_tokens: int) -> tuple[list[int], int | None]:
         """Greedy tokens and the weight version that produced them (hf engine)."""
@@ -141,34 +156,35 @@ class RolloutEngine:
         """Whether this engine can stream its served weights to a peer (``send_weights``)."""
         return callable(getattr(self.engine, "export_tensors", None))
 
-    def send_weights(self, spec_bytes: bytes, plan_bytes: bytes, session: str, version: int, timeout_s: float, *,
-                     secret: bytes | None = None) -> dict:
-        """Stream the served weights of ``version`` to a late-joining engine over a channel of its own
-        (this engine is sender 0 of ``plan``); blocks until the joiner acked. Generation goes on meanwhile;
-        the caller holds off syncs to this engine until it returns. Returns ``payload_bytes``, ``buckets``,
-        ``seconds``.
+    def send_weights(self, request: ExportRequest) -> ExportReport:
+        """Stream the served weights of ``request.version`` to a late-joining engine over a channel of
+        its own (this engine is sender 0 of the plan); blocks until the joiner acked. Generation goes on
+        meanwhile; the caller holds off syncs to this engine until it returns.
 
         Raises:
-            RuntimeError: this engine does not serve ``version`` or cannot export its weights.
+            RuntimeError: this engine does not serve ``request.version`` or cannot export its weights.
         """
         from sync_service.streaming.pool import BucketPool
         from sync_service.streaming.sender import Sender
         from sync_service.streaming.tensor_source import TensorSource
         from sync_service.transports import TransportSpec, open_sender
 
+        version = request.version
         if not self.can_export() or self.engine.weight_version() != version:
             raise RuntimeError(f"{self.name}: cannot send version {version} (serves {self.engine.weight_version()}, "
                                f"export supported: {self.can_export()})")
-        plan = decode(plan_bytes)
+        plan = decode(request.plan)
         if not isinstance(plan, SyncPlan):
-            raise ValueError(f"send_weights: plan_bytes decode to {type(plan).__name__}, not a SyncPlan")
-        transport = open_sender(TransportSpec.from_bytes(spec_bytes), sender=0)
+            raise ValueError(f"send_weights: plan decodes to {type(plan).__name__}, not a SyncPlan")
+        transport = open_sender(TransportSpec.from_bytes(request.spec), sender=0)
         try:
-            sender = Sender(transport, BucketPool(bucket_bytes=plan.bucket_bytes, num_buffers=2), sender=0, secret=secret)
-            stats = sender.send_sync(session, version, TensorSource(self.engine.export_tensors()), plan, timeout_s=timeout_s)
+            sender = Sender(transport, BucketPool(bucket_bytes=plan.bucket_bytes, num_buffers=2), sender=0,
+                            secret=request.secret)
+            stats = sender.send_sync(request.session, version, TensorSource(self.engine.export_tensors()), plan,
+                                     timeout_s=request.timeout_s)
         finally:
             transport.close()
-        return {"payload_bytes": stats.payload_bytes, "buckets": stats.buckets, "seconds": stats.total_s}
+        return ExportReport(payload_bytes=stats.payload_bytes, buckets=stats.buckets, seconds=stats.total_s)
 
     def state(self, names: list[str] | None = None) -> dict[str, np.ndarray]:
         """Served parameter values (copies) as fp32-or-native numpy arrays, for verification."""
@@ -189,6 +205,10 @@ class RolloutEngine:
             if name in ref_names and not torch.equal(ref.read(name, full_box(tuple(t.shape))), t):
                 bad.append(name)
         return bad
+
+
+RolloutEngine = ray.remote(num_cpus=0, max_concurrency=4)(RolloutEngineCore)
+"""The Ray actor class of a rollout engine (``RolloutEngine.remote(model_dir=..., engine="hf", name=...)``)."""
 
 
 def _np(t: torch.Tensor) -> np.ndarray:

@@ -1,9 +1,11 @@
 """``TrainerShard``: a Ray actor holding one trainer rank's base shard + LoRA factors, sending syncs.
 
-Threaded (``max_concurrency=2``): a training-step hook (``set_factors`` / ``train_step``) may run
-while ``send`` streams a version — ``send`` works on the snapshot taken by ``snapshot(version)``,
-so later factor changes never leak into it. Arguments and results are plain values (lists, ints,
-numpy arrays, msgpack bytes), never project objects.
+Implements ``protocols.endpoints.TrainerEndpoint`` and ``FactorTrainerEndpoint`` (the calls the
+coordinator makes; requests and reports are the frozen dataclasses declared there). Threaded
+(``max_concurrency=2``): a training-step hook (``set_factors`` / ``train_step``) may run while
+``send`` streams a version — ``send`` works on the snapshot taken by ``snapshot(version)``, so later
+factor changes never leak into it. One channel per owner (coordinator): a second coordinator on the
+same actors never closes the first one's channel.
 """
 
 from __future__ import annotations
@@ -16,22 +18,15 @@ import numpy as np
 import ray
 import torch
 
+from protocols.endpoints import FactorCost, OpenChannel, SendReport, SendRequest, SnapshotReport
 from protocols.params import ParamMeta
+from protocols.recipe import Recipe
 from protocols.wire import SyncPlan
 from protocols.wire_check import decode
 from sync_service.sharding.ep_factors import local_factors
 from sync_service.sharding.rules import ShardSpec
 from sync_service.sharding.trainer_state import TrainerState
 from sync_service.sharding.training import step_delta
-
-
-def meta_to_list(m: ParamMeta) -> list:
-    return [m.name, m.dtype, list(m.shape), None if m.box is None else [list(b) for b in m.box]]
-
-
-def meta_from_list(v: list) -> ParamMeta:
-    name, dtype, shape, box = v
-    return ParamMeta(name=name, dtype=dtype, shape=tuple(shape), box=None if box is None else tuple(tuple(b) for b in box))
 
 
 class _TimedSource:
@@ -65,8 +60,8 @@ class TrainerShardCore:
         self.spec = ShardSpec(rank=rank, ep=ep, tp=tp)
         self._init = dict(base_dir=base_dir, adapter_dir=adapter_dir, gather_timeout_s=gather_timeout_s)
         self.state: TrainerState | None = None
-        self._sender = None
-        self._plan: SyncPlan | None = None
+        self._channels: dict[str, tuple] = {}  # owner -> (Sender, SyncPlan)
+        self._plan: SyncPlan | None = None  # the last opened channel's plan (factor deltas follow it)
         self._factors = None  # sync_service.factor_stream.trainer.FactorTrainer, in factor modes
         self._full_shapes: dict[str, tuple[int, ...]] = {}
         self._send_lock = threading.Lock()  # one send at a time: sends share the bucket pool and the adapter
@@ -128,32 +123,34 @@ class TrainerShardCore:
                 self._full_shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
         return len(self.state.owned())
 
-    def owned_metas(self) -> list[list]:
-        """The global boxes this rank produces, as ``[name, dtype, shape, box]`` lists."""
-        return [meta_to_list(m) for m in self._state().owned()]
+    def owned_metas(self) -> tuple[ParamMeta, ...]:
+        """The global boxes this rank produces, in production order."""
+        return tuple(self._state().owned())
 
-    def open_transport(self, spec_bytes: bytes, plan_bytes: bytes, bucket_buffers: int = 2, *,
-                       secret: bytes | None = None) -> None:
-        """Open the sender side of a channel and keep the (combined) plan. Blocks until peers connect.
-        ``secret``: the session's HMAC key; every bucket header is sealed with it (engines verify)."""
+    def open_transport(self, request: OpenChannel) -> None:
+        """Open the sender side of ``request.owner``'s channel and keep its plan. Blocks until the
+        receivers connected. Buckets are sealed with ``request.secret`` (engines verify)."""
         from sync_service.streaming.pool import BucketPool
         from sync_service.streaming.sender import Sender
         from sync_service.transports import TransportSpec, open_sender
 
-        self.close_transport()
-        plan = decode(plan_bytes)
+        self.close_transport(request.owner)
+        plan = decode(request.plan)
         if not isinstance(plan, SyncPlan):
-            raise ValueError(f"open_transport: plan_bytes decode to {type(plan).__name__}, not a SyncPlan")
-        spec = TransportSpec.from_bytes(spec_bytes)
+            raise ValueError(f"open_transport: plan decodes to {type(plan).__name__}, not a SyncPlan")
+        spec = TransportSpec.from_bytes(request.spec)
+        sender = Sender(open_sender(spec, sender=request.index),
+                        BucketPool(bucket_bytes=plan.bucket_bytes, num_buffers=request.bucket_buffers),
+                        sender=request.index, secret=request.secret)
+        self._channels[request.owner] = (sender, plan)
         self._plan = plan
-        self._sender = Sender(open_sender(spec, sender=self.spec.rank),
-                              BucketPool(bucket_bytes=plan.bucket_bytes, num_buffers=bucket_buffers), sender=self.spec.rank,
-                              secret=secret)
 
-    def close_transport(self) -> None:
-        if self._sender is not None:
-            self._sender.transport.close()
-            self._sender = None
+    def close_transport(self, owner: str | None = None) -> None:
+        """Close ``owner``'s channel (``None``: every channel); a send blocked on it fails."""
+        for key in list(self._channels) if owner is None else [owner]:
+            entry = self._channels.pop(key, None)
+            if entry is not None:
+                entry[0].transport.close()
 
     # -- training-side hooks ---------------------------------------------------------------
     def set_factors(self, updates: dict[str, np.ndarray]) -> None:
@@ -179,66 +176,69 @@ class TrainerShardCore:
         return {k: v.numpy().copy() for k, v in self._state().base.local_tensors().items()}
 
     # -- sync ------------------------------------------------------------------------------
-    def snapshot(self, version: int) -> list[str] | None:
-        """Freeze ``version``; returns the names a delta sync needs (``None``: all)."""
+    def snapshot(self, version: int) -> SnapshotReport:
+        """Freeze ``version``; ``changed``: the names a delta sync needs (``None``: all)."""
         changed = self._state().snapshot(version)
-        return None if changed is None else sorted(changed)
+        return SnapshotReport(version=version, changed=None if changed is None else frozenset(changed))
 
-    def send(self, session: str, version: int, names: list[str] | None, timeout_s: float, *,
-             check_finite: bool = False) -> dict:
-        """Refresh the adapter, merge and stream this rank's part of ``version``; blocks until every engine acked.
-        ``check_finite``: a merged NaN/Inf fails the sync with ``MergeError`` naming the tensor (the
-        engines are told to abort before anything is committed).
+    def send(self, request: SendRequest) -> SendReport:
+        """Refresh the adapter, merge and stream this rank's part of ``request.version`` over
+        ``request.owner``'s channel; blocks until every engine acked. ``request.check_finite``: a
+        merged NaN/Inf fails the sync with ``MergeError`` naming the tensor (the engines are told to
+        abort before anything is committed).
 
-        Returns seconds per stage (``gather_s``, ``merge_s``, ``pack_s``, ``transfer_s``, ``ack_wait_s``,
-        ``total_s``) and sizes (``payload_bytes``, ``buckets``, ``entries``).
+        Raises:
+            TimeoutError: the previous send did not end within ``timeout_s``. RuntimeError: no channel
+            of that owner. MergeError, PeerLostError, RemoteSyncError: from the merge or the stream.
         """
-        if not self._send_lock.acquire(timeout=timeout_s):
-            self._state().drop_snapshot(version)
-            raise TimeoutError(f"trainer rank {self.spec.rank}: send({version}) waited {timeout_s:.0f} s for the "
-                               f"previous send to end; raise SyncConfig.timeout_s or check that rank")
+        if not self._send_lock.acquire(timeout=request.timeout_s):
+            self._state().drop_snapshot(request.version)
+            raise TimeoutError(f"trainer rank {self.spec.rank}: send({request.version}) waited {request.timeout_s:.0f} s "
+                               f"for the previous send to end; raise SyncConfig.timeout_s or check that rank")
         try:
-            return self._send(session, version, names, timeout_s, check_finite)
+            return self._send(request)
         finally:
             self._send_lock.release()
 
-    def _send(self, session: str, version: int, names: list[str] | None, timeout_s: float, check_finite: bool) -> dict:
-        if self._sender is None or self._plan is None:
+    def _send(self, request: SendRequest) -> SendReport:
+        version = request.version
+        if request.owner not in self._channels:
             self._state().drop_snapshot(version)
-            raise RuntimeError("send before open_transport")
+            raise RuntimeError(f"trainer rank {self.spec.rank}: send before open_transport (channel {request.owner!r})")
+        sender, plan = self._channels[request.owner]
         t0 = time.perf_counter()
         try:
-            self._state().merge.check_finite = check_finite
-            plain = self._factors is None or not any(e.recipe is not None for e in self._plan.entries)
+            self._state().merge.check_finite = request.check_finite
+            plain = self._factors is None or not any(e.recipe is not None for e in plan.entries)
             source = _TimedSource(self._state().source(version) if plain
-                                  else self._factors.source(self._state(), version, self._plan))
+                                  else self._factors.source(self._state(), version, plan))
         except BaseException:
             self._state().drop_snapshot(version)
             raise
         gather_s = time.perf_counter() - t0
-        stats = self._sender.send_sync(session, version, source, self._plan,
-                                       names=None if names is None else frozenset(names), timeout_s=timeout_s)
-        return {"rank": self.spec.rank, "gather_s": gather_s, "merge_s": source.fill_s,
-                "pack_s": max(stats.pack_s - source.fill_s, 0.0), "transfer_s": stats.transfer_s,
-                "ack_wait_s": stats.ack_wait_s, "total_s": time.perf_counter() - t0,
-                "payload_bytes": stats.payload_bytes, "buckets": stats.buckets, "entries": stats.entries}
+        names = None if request.names is None else frozenset(request.names)
+        stats = sender.send_sync(request.session, version, source, plan, names=names, timeout_s=request.timeout_s)
+        return SendReport(rank=self.spec.rank, gather_s=gather_s, merge_s=source.fill_s,
+                          pack_s=max(stats.pack_s - source.fill_s, 0.0), transfer_s=stats.transfer_s,
+                          ack_wait_s=stats.ack_wait_s, total_s=time.perf_counter() - t0,
+                          payload_bytes=stats.payload_bytes, buckets=stats.buckets, entries=stats.entries)
 
     def drop_snapshot(self, version: int) -> None:
         self._state().drop_snapshot(version)
 
     # -- factor streaming (sync_service/factor_stream; SyncConfig.mode "factors" | "auto") ------------
-    def factor_costs(self) -> list[list]:
-        """Per changed tensor ``[name, merged_bytes, factor_bytes, pristine_bytes, why_not]``."""
+    def factor_costs(self) -> tuple[FactorCost, ...]:
+        """Per changed tensor, its merged vs factor cost."""
         return self._factor_state().costs(self._state())
 
-    def factor_recipes(self, names: list[str], experts_per_recipe: int, bucket_bytes: int) -> list[list]:
-        """The recipe blocks of ``names`` (``protocols.recipe.recipe_list`` lists)."""
+    def factor_recipes(self, names: list[str], experts_per_recipe: int, bucket_bytes: int) -> tuple[Recipe, ...]:
+        """The recipe blocks of ``names``."""
         return self._factor_state().recipes(self._state(), names, experts_per_recipe=experts_per_recipe,
                                             bucket_bytes=bucket_bytes)
 
-    def factor_delta(self, version: int) -> list[str]:
+    def factor_delta(self, version: int) -> tuple[str, ...]:
         """Gather ``version``'s factors (collective) and return this rank's changed recipe blocks."""
-        return self._factor_state().delta(self._state(), version, self._plan, self.spec.rank)
+        return tuple(self._factor_state().delta(self._state(), version, self._plan, self.spec.rank))
 
     def factor_committed(self, version: int) -> None:
         self._factor_state().ledger.commit(version)

@@ -34,7 +34,7 @@ def measure(base: Path, adapter: Path, transport: str) -> dict:
     import ray
 
     from sync_service.api import SyncConfig, WeightSync
-    from sync_service.local import start_engines, start_trainers
+    from actors.launch import start_engines, start_trainers
 
     trainers = start_trainers(base, adapter, ep=2)
     engines = start_engines(base, 2, prefix="engine")

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from sync_service.rl.config import RLConfig
+from actors.launch import RayLauncher
 from sync_service.rl.run import run_demo_rl
 
 
@@ -27,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--png", type=Path, default=Path("rl_rewards.png"))
     args = parser.parse_args(argv)
     config = RLConfig(steps=args.steps, max_staleness=args.max_staleness, max_in_flight=args.max_in_flight)
-    return run_demo_rl(args.cache_dir, config=config, png_path=args.png, json_path=args.json)
+    return run_demo_rl(args.cache_dir, config=config, png_path=args.png, json_path=args.json, launcher=RayLauncher())
 
 
 if __name__ == "__main__":

@@ -33,6 +33,8 @@ from sync_service.coordinator import Coordinator, PlanMismatchError
 from sync_service.coordinator.join import JoinMetrics
 from sync_service.coordinator.metrics import EngineResult, SyncError, SyncMetrics
 from sync_service.transports.spec import TRANSPORTS
+from sync_service.factor_stream.choose import FactorPolicy
+from sync_service.factor_stream.coordination import FactorCoordination
 
 __all__ = ["EngineResult", "JoinMetrics", "PlanMismatchError", "PushHandle", "SyncConfig", "SyncError", "SyncMetrics",
            "WeightSync"]
@@ -103,8 +105,6 @@ class SyncConfig:
                              f"or None")
         if not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
             raise ValueError(f"SyncConfig.timeout_s={self.timeout_s} must be a finite number of seconds > 0")
-        from sync_service.factor_stream.choose import FactorPolicy
-
         FactorPolicy(mode=self.mode, factor_memory_bytes=self.factor_memory_bytes,
                      experts_per_recipe=self.experts_per_recipe)  # raises ValueError naming the field
         if self.max_in_flight < 1 or self.max_staleness < 0:
@@ -162,6 +162,15 @@ def _short_repr(value, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit] + "…"
 
 
+def _mode_of(config: SyncConfig):
+    """The coordinator's ``SyncMode`` factory for ``config.mode`` (``None``: merged)."""
+    if config.mode == "merged":
+        return None
+    policy = FactorPolicy(mode=config.mode, factor_memory_bytes=config.factor_memory_bytes,
+                          experts_per_recipe=config.experts_per_recipe)
+    return lambda trainers, get: FactorCoordination(policy, trainers, get)
+
+
 class PushHandle:
     """A push in flight (snapshot taken). ``result(timeout)`` -> SyncMetrics, or raises SyncError.
 
@@ -198,7 +207,7 @@ class WeightSync:
 
     def __init__(self, *, trainers: Sequence, engines: Sequence, config: SyncConfig | None = None) -> None:
         self.config = config or SyncConfig()
-        self._coordinator = Coordinator(trainers, engines, self.config)
+        self._coordinator = Coordinator(trainers, engines, self.config, mode=_mode_of(self.config))
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync-push")
         self._slots = threading.BoundedSemaphore(self.config.max_in_flight)
         self._push_lock = threading.Lock()  # push_async calls snapshot in call order
@@ -250,8 +259,10 @@ class WeightSync:
         """
         wait = self.config.timeout_s if timeout_s is None else timeout_s
         with self._push_lock:
-            if self._latest is not None and version <= self._latest:
-                raise ValueError(f"push_async({version}): versions must increase; the last push was {self._latest}")
+            with self._count_lock:
+                previous = self._latest
+            if previous is not None and version <= previous:
+                raise ValueError(f"push_async({version}): versions must increase; the last push was {previous}")
             t0 = time.perf_counter()
             if not self._slots.acquire(timeout=wait):
                 raise TimeoutError(f"push_async({version}): {self.config.max_in_flight} push(es) still in flight after "
@@ -265,8 +276,8 @@ class WeightSync:
                 raise
             with self._count_lock:
                 self._in_flight += 1
-            self._latest = version
-            future.add_done_callback(self._push_done)
+                self._latest = version
+            future.add_done_callback(lambda f: self._push_done(f, version, previous))
             return PushHandle(version, future, backpressure_s=t1 - t0, snapshot_s=time.perf_counter() - t1)
 
     def _transfer(self, version: int, changed: frozenset[str] | None) -> SyncMetrics:
@@ -282,9 +293,11 @@ class WeightSync:
             telemetry.record(metrics)
         return metrics
 
-    def _push_done(self, _future: concurrent.futures.Future) -> None:
+    def _push_done(self, future: concurrent.futures.Future, version: int, previous: int | None) -> None:
         with self._count_lock:
             self._in_flight -= 1
+            if future.exception() is not None and self._latest == version:
+                self._latest = previous  # a failed push does not use up its version: push(version) again
         self._slots.release()
 
     # -- versions and staleness ------------------------------------------------------------

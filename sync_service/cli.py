@@ -8,6 +8,8 @@ traceback, no colour codes (``--traceback`` shows the traceback) — and the exi
 kind it was (``EXIT_CODES``): 2 bad input (flags, files, configs: nothing was changed), 1 a runtime
 failure (a push failed, an actor died, a timeout, verification failed), 130 interrupted.
 An error raised inside a Ray actor is unwrapped to its cause and named with the actor.
+Sub-commands that start actors find a ``protocols.endpoints.Launcher`` in ``args.launcher``: the
+``weightsync`` console script (``actors/cli.py``) passes ``actors.launch.RayLauncher()``.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED = 2, 1, 130
 # imports nothing (``weightsync merge`` stays free of Ray).
 EXIT_CODES: tuple[tuple[str, str, int], ...] = (
     ("sync_service.coordinator.metrics", "SyncError", EXIT_FAILED),
+    ("protocols.endpoints", "EndpointError", EXIT_FAILED),
     ("builtins", "TimeoutError", EXIT_FAILED),
     ("sync_service.merge.errors", "MergeError", EXIT_BAD_INPUT),
     ("sync_service.deploy_config", "ConfigError", EXIT_BAD_INPUT),
@@ -124,12 +127,22 @@ def describe(exc: BaseException) -> tuple[str, int]:
     return (f"{where}: {text}" if where else text), code
 
 
-def main(argv: list[str] | None = None) -> int:
+# sub-commands that start trainer / engine actors (they need a launcher)
+STARTS_ACTORS = frozenset({"demo", "sync", "bench", "run"})
+
+
+def main(argv: list[str] | None = None, *, launcher=None) -> int:
+    """Parse ``argv`` and run the sub-command. ``launcher``: a ``protocols.endpoints.Launcher`` for
+    sub-commands that start actors (``actors.cli.main``, the console script, passes one)."""
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # name the sub-command, as its own errors do
         parser.exit(EXIT_BAD_INPUT, f"weightsync {args.command}: error: unrecognized arguments: {' '.join(unknown)} "
                                     f"(see weightsync {args.command} --help)\n")
+    if args.command in STARTS_ACTORS and launcher is None:
+        parser.exit(EXIT_BAD_INPUT, f"weightsync {args.command}: error: it starts actors: run the weightsync console "
+                                    f"script (actors.cli:main; after an update: pip install -e .) or python -m actors.cli\n")
+    args.launcher = launcher
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
     except KeyboardInterrupt:

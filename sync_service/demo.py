@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         from sync_service.rl.run import run_demo_rl
 
         return run_demo_rl(args.cache_dir, config=RLConfig(timeout_s=args.timeout, transport=args.transport),
-                           png_path=args.png, json_path=args.json)
+                           png_path=args.png, json_path=args.json, launcher=args.launcher)
 
     if args.trainer is not None:
         return _run_live(args)
@@ -57,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = RunConfig(base=base, adapter=adapter, ep=ep, tp=tp, engine=args.engine, engines=engines,
                     versions=args.versions, transport=args.transport, bucket_bytes=args.bucket_bytes,
                     timeout_s=args.timeout, json_path=args.json, metrics_port=args.metrics_port)
-    return execute_engine(cfg, {"model": DEMO_MODEL, "adapter": DEMO_ADAPTER, "cache_dir": str(args.cache_dir)})
+    return execute_engine(cfg, {"model": DEMO_MODEL, "adapter": DEMO_ADAPTER, "cache_dir": str(args.cache_dir)},
+                          args.launcher)
 
 
 def _run_live(args: argparse.Namespace) -> int:
@@ -72,4 +73,5 @@ def _run_live(args: argparse.Namespace) -> int:
     cfg = RunConfig(base=base, adapter=None, engine="hf", engines=args.engines or 2, versions=args.versions,
                     transport=args.transport, bucket_bytes=args.bucket_bytes, timeout_s=args.timeout,
                     json_path=args.json)
-    return run_trainer_demo(cfg, {"model": DEMO_MODEL, "cache_dir": str(args.cache_dir)}, kind=args.trainer)
+    return run_trainer_demo(cfg, {"model": DEMO_MODEL, "cache_dir": str(args.cache_dir)}, kind=args.trainer,
+                            launcher=args.launcher)

@@ -51,13 +51,13 @@ def peft_versions(base: Path, adapter: Path, versions: int, work: Path) -> dict[
     return out
 
 
-def run_vllm(cfg: RunConfig) -> list[VersionRow]:
-    """Oracle first, then Ray + trainers + one vLLM engine; push and verify every version."""
+def run_vllm(cfg: RunConfig, launcher) -> list[VersionRow]:
+    """Oracle first, then Ray + trainers + one vLLM engine (``launcher``: ``protocols.endpoints.Launcher``);
+    push and verify every version."""
     import ray
 
     from sync_service.api import SyncConfig, WeightSync
     from sync_service.vllm_oracle import fresh_tokens
-    from sync_service.local import start_engines, start_trainers
     from sync_service.sync_cli import start_ray
 
     if cfg.adapter is None:
@@ -72,9 +72,9 @@ def run_vllm(cfg: RunConfig) -> list[VersionRow]:
                                 timeout_s=max(600.0, cfg.timeout_s))
         steps.step("starting a local Ray, the trainer shards and the vLLM engine")
         start_ray(tmp / "ray")
-        trainers = start_trainers(cfg.base, cfg.adapter, ep=cfg.ep, tp=cfg.tp, timeout_s=cfg.timeout_s)
-        engines = start_engines(cfg.base, 1, engine="vllm", timeout_s=max(300.0, cfg.timeout_s),
-                                prefix="vllm")
+        trainers = launcher.start_trainers(cfg.base, cfg.adapter, ep=cfg.ep, tp=cfg.tp, timeout_s=cfg.timeout_s)
+        engines = launcher.start_engines(cfg.base, 1, engine="vllm", timeout_s=max(300.0, cfg.timeout_s),
+                                         prefix="vllm")
         steps.step("planning, validating the plan against the engine")
         sync = WeightSync(trainers=trainers, engines=engines, config=SyncConfig(
             transport=cfg.transport, bucket_bytes=cfg.bucket_bytes, timeout_s=cfg.timeout_s,
@@ -101,6 +101,6 @@ def run_vllm(cfg: RunConfig) -> list[VersionRow]:
     return rows
 
 
-def execute_vllm(cfg: RunConfig, extra: dict) -> int:
+def execute_vllm(cfg: RunConfig, extra: dict, launcher) -> int:
     """Run, print the table, write ``cfg.json_path`` like ``sync_cli.execute``; 0 iff every version verified."""
-    return run_and_report(cfg, run_vllm, extra, engines="1 vLLM engine", json_extra={"engine": "vllm"})
+    return run_and_report(cfg, lambda c: run_vllm(c, launcher), extra, engines="1 vLLM engine", json_extra={"engine": "vllm"})

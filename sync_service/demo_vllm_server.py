@@ -51,14 +51,14 @@ def _verify(engine, name: str, v: int, expected: list, timeout_s: float) -> dict
             "weight_version": version}
 
 
-def run_server(cfg: RunConfig) -> list[VersionRow]:
-    """Oracle first, then the servers, Ray, the trainers; push and verify every version."""
+def run_server(cfg: RunConfig, launcher) -> list[VersionRow]:
+    """Oracle first, then the servers, Ray, the trainers (actors from ``launcher``, a
+    ``protocols.endpoints.Launcher``); push and verify every version."""
     import ray
 
     from sync_service.api import SyncConfig, WeightSync
     from sync_service.demo_vllm import merged_versions
     from sync_service.vllm_oracle import fresh_tokens
-    from sync_service.local import start_server_engines, start_trainers
     from sync_service.sync_cli import start_ray
 
     if cfg.adapter is None:
@@ -78,8 +78,8 @@ def run_server(cfg: RunConfig) -> list[VersionRow]:
         start_ray(tmp / "ray")
         stack.callback(ray.shutdown)
         stack.callback(steps.close)
-        trainers = start_trainers(cfg.base, cfg.adapter, ep=cfg.ep, tp=cfg.tp, timeout_s=cfg.timeout_s)
-        engines = start_server_engines(urls, api_key=cfg.vllm_api_key)
+        trainers = launcher.start_trainers(cfg.base, cfg.adapter, ep=cfg.ep, tp=cfg.tp, timeout_s=cfg.timeout_s)
+        engines = launcher.start_server_engines(urls, api_key=cfg.vllm_api_key)
         steps.step("planning, validating the plan against every server's table")
         sync = WeightSync(trainers=trainers, engines=engines, config=SyncConfig(
             transport=cfg.transport, bucket_bytes=cfg.bucket_bytes, timeout_s=cfg.timeout_s,
@@ -97,7 +97,7 @@ def run_server(cfg: RunConfig) -> list[VersionRow]:
     return rows
 
 
-def execute_server(cfg: RunConfig, extra: dict) -> int:
+def execute_server(cfg: RunConfig, extra: dict, launcher) -> int:
     """Run, print the table, write ``cfg.json_path``; 0 iff every version verified on every server."""
     where = ", ".join(cfg.vllm_urls) if cfg.vllm_urls else f"{cfg.engines} local vLLM server(s)"
-    return run_and_report(cfg, run_server, extra, engines=where, json_extra={"engine": "vllm-server"})
+    return run_and_report(cfg, lambda c: run_server(c, launcher), extra, engines=where, json_extra={"engine": "vllm-server"})

@@ -18,7 +18,6 @@ from ray.util.placement_group import PlacementGroup, placement_group, placement_
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from sync_service.deploy_config import DeployConfig
-from sync_service.local import start_engines, start_trainers
 
 __all__ = ["Deployment", "PlacementError", "bundle_nodes", "choose_transport", "node_addresses", "place_group", "wait_bundle_alive"]
 
@@ -93,11 +92,14 @@ class Deployment:
     engine_pg: PlacementGroup
     trainers: list
     engines: list
+    launcher: object
+    """Starts the actors (``protocols.endpoints.Launcher``; ``actors.launch.RayLauncher``)."""
 
     @classmethod
-    def start(cls, config: DeployConfig) -> "Deployment":
-        """Reserve both groups, start the shards (gloo group joined, shards loaded) and the engines.
-        Blocks up to about ``3 · sync.timeout_s``. Raises PlacementError, ray errors from actor start."""
+    def start(cls, config: DeployConfig, launcher) -> "Deployment":
+        """Reserve both groups, start the shards (gloo group joined, shards loaded) and the engines
+        through ``launcher``. Blocks up to about ``3 · sync.timeout_s``. Raises PlacementError, ray
+        errors from actor start."""
         t, e, timeout = config.trainers, config.engines, config.sync.timeout_s
         trainer_pg = place_group("weightsync-trainers", _bundle(t.resource, t.resource_per_shard, t.num_cpus, t.num_gpus),
                                  t.shards, t.placement, timeout)
@@ -107,12 +109,12 @@ class Deployment:
         except BaseException:
             remove_placement_group(trainer_pg)
             raise
-        dep = cls(config=config, trainer_pg=trainer_pg, engine_pg=engine_pg, trainers=[], engines=[])
+        dep = cls(config=config, trainer_pg=trainer_pg, engine_pg=engine_pg, trainers=[], engines=[], launcher=launcher)
         try:
-            dep.trainers = start_trainers(config.model.base, config.model.adapter, ep=t.ep, tp=t.tp, timeout_s=timeout,
+            dep.trainers = launcher.start_trainers(config.model.base, config.model.adapter, ep=t.ep, tp=t.tp, timeout_s=timeout,
                                           actor_options=[dep._trainer_options(r) for r in range(t.shards)])
-            dep.engines = start_engines(config.model.base, e.count, engine=e.engine, timeout_s=timeout,
-                                        actor_options=[dep._engine_options(i) for i in range(e.count)])
+            dep.engines = launcher.start_engines(config.model.base, e.count, engine=e.engine, timeout_s=timeout,
+                                                 actor_options=[dep._engine_options(i) for i in range(e.count)])
         except BaseException:
             dep.close()
             raise
@@ -140,8 +142,9 @@ class Deployment:
         if not wait_bundle_alive(self.engine_pg, index, timeout):
             raise PlacementError(f"engine bundle {index}: not rescheduled within {timeout:.0f} s; add a node advertising "
                                  f"{{{self.config.engines.resource!r}: {self.config.engines.resource_per_engine}}}")
-        (engine,) = start_engines(self.config.model.base, 1, engine=self.config.engines.engine, timeout_s=timeout,
-                                  actor_options=[self._engine_options(index)], prefix=f"{prefix}{index}-")
+        (engine,) = self.launcher.start_engines(self.config.model.base, 1, engine=self.config.engines.engine,
+                                                timeout_s=timeout, actor_options=[self._engine_options(index)],
+                                                prefix=f"{prefix}{index}-")
         self.engines[index] = engine
         return engine
 

@@ -117,8 +117,9 @@ def placement_report(deployment) -> dict:
             "transport": transport, "transport_reason": reason}
 
 
-def execute(cfg: DeployConfig, address: str | None, json_path: Path | None, *, metrics_port: int | None = None) -> int:
-    """Connect, place, push and verify; 0 when every version verified on every engine."""
+def execute(cfg: DeployConfig, address: str | None, json_path: Path | None, launcher, *,
+            metrics_port: int | None = None) -> int:
+    """Connect, place (actors from ``launcher``), push and verify; 0 when every version verified on every engine."""
     import ray
 
     from sync_service.api import SyncConfig, WeightSync
@@ -135,7 +136,7 @@ def execute(cfg: DeployConfig, address: str | None, json_path: Path | None, *, m
         steps.step(f"connecting to Ray ({address or 'a local one'})")
         connect(address, cfg, tmp / "ray")
         steps.step(f"placing {cfg.trainers.shards} trainer shard(s) and {cfg.engines.count} engine(s)")
-        deployment = Deployment.start(cfg)
+        deployment = Deployment.start(cfg, launcher)
         try:
             placed = placement_report(deployment)
             Steps.write(f"placed {len(deployment.trainers)} trainer shard(s) on {len(set(placed['trainer_nodes']))} node(s), "
@@ -181,4 +182,4 @@ def run(args: argparse.Namespace) -> int:
     check_deploy(args, cfg)
     if args.json is not None and not args.json.parent.is_dir():
         fail(args, f"--json {args.json}: directory {args.json.parent} does not exist; create it or choose another path")
-    return execute(cfg, args.address, args.json, metrics_port=args.metrics_port)
+    return execute(cfg, args.address, args.json, args.launcher, metrics_port=args.metrics_port)

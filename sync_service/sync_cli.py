@@ -107,12 +107,13 @@ def start_ray(tmp: Path) -> None:
                                        "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}})
 
 
-def run_local(cfg: RunConfig) -> list[VersionRow]:
-    """Start Ray, trainers and engines; push and verify ``cfg.versions`` versions. Returns the rows."""
+def run_local(cfg: RunConfig, launcher) -> list[VersionRow]:
+    """Start Ray, trainers and engines (``launcher``: ``protocols.endpoints.Launcher``); push and
+    verify ``cfg.versions`` versions. Returns the rows."""
     import ray
 
     from sync_service.api import SyncConfig, WeightSync
-    from sync_service.local import AdapterReplay, start_engines, start_trainers
+    from sync_service.local import AdapterReplay
 
     tmp = Path(tempfile.mkdtemp(prefix="wsync"))
     work = cfg.work_dir or tmp / "work"
@@ -122,9 +123,9 @@ def run_local(cfg: RunConfig) -> list[VersionRow]:
         steps.step("starting a local Ray (2 CPUs)")
         start_ray(tmp / "ray")
         steps.step(f"starting {cfg.ep * cfg.tp} trainer shard(s) (ep={cfg.ep}, tp={cfg.tp})")
-        trainers = start_trainers(cfg.base, cfg.adapter, ep=cfg.ep, tp=cfg.tp, timeout_s=cfg.timeout_s)
+        trainers = launcher.start_trainers(cfg.base, cfg.adapter, ep=cfg.ep, tp=cfg.tp, timeout_s=cfg.timeout_s)
         steps.step(f"starting {cfg.engines} engine(s)")
-        engines = start_engines(cfg.base, cfg.engines, timeout_s=cfg.timeout_s)
+        engines = launcher.start_engines(cfg.base, cfg.engines, timeout_s=cfg.timeout_s)
         names = [ray.get(e.engine_name.remote()) for e in engines]
         steps.step("planning, validating the plan against every engine")
         sync = WeightSync(trainers=trainers, engines=engines, config=SyncConfig(
@@ -250,18 +251,19 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, versions: int) -> N
                         help="serve Prometheus metrics on 127.0.0.1:PORT/metrics while the run lasts (0: a free port)")
 
 
-def execute(cfg: RunConfig, extra: dict) -> int:
+def execute(cfg: RunConfig, extra: dict, launcher) -> int:
     """The hf engine run (``CLI_ENGINES["hf"]``): table, verdict, JSON; 0 iff every version verified."""
-    return run_and_report(cfg, run_local, extra, engines=f"{cfg.engines} engine(s)")
+    return run_and_report(cfg, lambda c: run_local(c, launcher), extra, engines=f"{cfg.engines} engine(s)")
 
 
-def execute_engine(cfg: RunConfig, extra: dict) -> int:
-    """Run ``cfg`` with the runner of its engine kind (``CLI_ENGINES[cfg.engine].runner``)."""
+def execute_engine(cfg: RunConfig, extra: dict, launcher) -> int:
+    """Run ``cfg`` with the runner of its engine kind (``CLI_ENGINES[cfg.engine].runner``); actors from
+    ``launcher`` (``protocols.endpoints.Launcher``)."""
     import importlib
 
     quiet_libraries()
     module, function = CLI_ENGINES[cfg.engine].runner.split(":")
-    return getattr(importlib.import_module(module), function)(cfg, extra)
+    return getattr(importlib.import_module(module), function)(cfg, extra, launcher)
 
 
 def run_and_report(cfg: RunConfig, run, extra: dict, *, engines: str, json_extra: dict | None = None) -> int:
@@ -308,4 +310,5 @@ def run(args: argparse.Namespace) -> int:
                     timeout_s=args.timeout, json_path=args.json, check_finite=args.check_finite, secret=secret,
                     metrics_port=args.metrics_port, vllm_urls=tuple(args.vllm_urls),
                     vllm_api_key=args.vllm_api_key or os.environ.get("VLLM_API_KEY"))
-    return execute_engine(cfg, {"base": str(args.base), "adapter": None if args.adapter is None else str(args.adapter)})
+    return execute_engine(cfg, {"base": str(args.base), "adapter": None if args.adapter is None else str(args.adapter)},
+                          args.launcher)

@@ -75,12 +75,11 @@ def _reload(engine_actor, path: str) -> float:
     return time.perf_counter() - t0
 
 
-def run_disk(model: BenchModel, cfg: BenchConfig, size: int, work_dir: Path, say=print) -> Row:
-    """The disk row at ``size``; blocks; kills its actors and removes its checkpoints."""
-    from sync_service.local import start_engines
-
+def run_disk(model: BenchModel, cfg: BenchConfig, size: int, work_dir: Path, launcher, say=print) -> Row:
+    """The disk row at ``size`` (the engine from ``launcher``); blocks; kills its actors and removes its
+    checkpoints."""
     trainer = PeftDiskTrainer.remote()
-    engines = start_engines(model.base_dir, 1, timeout_s=cfg.timeout_s)
+    engines = launcher.start_engines(model.base_dir, 1, timeout_s=cfg.timeout_s)
     seconds, stages = [], []
     try:
         groups = {"trainer": [actor_pid(trainer)], "engine": [actor_pid(engines[0])]}
@@ -111,15 +110,13 @@ def _gather_merged(shard, version: int, metas_by_rank: list[list], timeout_s: fl
     it as numpy (bf16 as int16 bits). Rank 0 returns ``{"refs": [ref], ...seconds}``."""
     import torch.distributed as dist
 
-    from actors.trainer import meta_from_list
-
     t0 = time.perf_counter()
     source = shard.state.source(version)  # all-gathers the factors (collective)
     t1 = time.perf_counter()
     rank = shard.spec.rank
     if rank:
         merge_s = 0.0
-        for m in map(meta_from_list, metas_by_rank[rank]):
+        for m in metas_by_rank[rank]:
             tm = time.perf_counter()
             buf = torch.empty(box_shape(m.box), dtype=source.out_dtype(m.name))
             source.fill(m.name, m.box, buf)
@@ -128,14 +125,14 @@ def _gather_merged(shard, version: int, metas_by_rank: list[list], timeout_s: fl
         return {"gather_s": t1 - t0, "merge_s": merge_s, "transfer_s": time.perf_counter() - t1 - merge_s}
     full: dict[str, torch.Tensor] = {}
     for metas in metas_by_rank:
-        for m in map(meta_from_list, metas):
+        for m in metas:
             if m.name not in full:
                 full[m.name] = torch.empty(m.shape, dtype=TORCH_DTYPES[m.dtype])
-    for m in map(meta_from_list, metas_by_rank[0]):
+    for m in metas_by_rank[0]:
         source.fill(m.name, m.box, full[m.name][tuple(slice(a, b) for a, b in m.box)])
     t2 = time.perf_counter()
     for r in range(1, len(metas_by_rank)):
-        for m in map(meta_from_list, metas_by_rank[r]):
+        for m in metas_by_rank[r]:
             view = full[m.name][tuple(slice(a, b) for a, b in m.box)]
             dist.recv(_bits(view), src=r)
     t3 = time.perf_counter()
@@ -170,12 +167,10 @@ def _load_state(engine_actor, refs: list) -> dict:
     return {"get_s": t1 - t0, "copy_s": time.perf_counter() - t1}
 
 
-def run_gather(model: BenchModel, cfg: BenchConfig, size: int, say=print) -> Row:
-    """The full-gather row at ``size``; blocks; kills its actors."""
-    from sync_service.local import start_engines, start_trainers
-
-    trainers = start_trainers(model.base_dir, model.adapter_dir, ep=cfg.ep, timeout_s=cfg.timeout_s)
-    engines = start_engines(model.base_dir, 1, timeout_s=cfg.timeout_s)
+def run_gather(model: BenchModel, cfg: BenchConfig, size: int, launcher, say=print) -> Row:
+    """The full-gather row at ``size`` (actors from ``launcher``); blocks; kills its actors."""
+    trainers = launcher.start_trainers(model.base_dir, model.adapter_dir, ep=cfg.ep, timeout_s=cfg.timeout_s)
+    engines = launcher.start_engines(model.base_dir, 1, timeout_s=cfg.timeout_s)
     seconds, stages, nbytes = [], [], 0
     try:
         metas = ray.get([t.owned_metas.remote() for t in trainers], timeout=cfg.timeout_s)

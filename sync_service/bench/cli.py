@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
                       full_max_size=args.full_max_size, fanout_max_size=args.fanout_max_size, gather_max_size=args.gather_max_size,
                       disk_max_size=args.disk_max_size, cache_dir=args.cache_dir, timeout_s=args.timeout,
                       json_path=args.json, plot_path=args.plot)  # ValueError: one line, exit 2 (sync_service/cli.py)
-    report = run_bench(cfg, argv=sys.argv[2:])
+    report = run_bench(cfg, launcher=args.launcher, argv=sys.argv[2:])
     print(markdown_table(report))
     print()
     for name, g in report["goals"].items():

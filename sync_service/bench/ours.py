@@ -23,14 +23,12 @@ from sync_service.bench.rss import RssSampler, actor_pid
 __all__ = ["run_ours"]
 
 
-def run_ours(model: BenchModel, cfg: BenchConfig, size: int, rows: list[Row], say=print) -> None:
-    """Append the ours rows at ``size`` to ``rows`` as each finishes (see the module docstring).
-    Blocks; kills its actors (also when a row fails)."""
-    from sync_service.local import start_engines, start_trainers
-
+def run_ours(model: BenchModel, cfg: BenchConfig, size: int, rows: list[Row], launcher, say=print) -> None:
+    """Append the ours rows at ``size`` to ``rows`` as each finishes (see the module docstring); actors
+    from ``launcher``. Blocks; kills its actors (also when a row fails)."""
     model_bytes = model.shape.bf16_bytes()
-    trainers = start_trainers(model.base_dir, model.adapter_dir, ep=cfg.ep, timeout_s=cfg.timeout_s)
-    engines = start_engines(model.base_dir, 1, timeout_s=cfg.timeout_s)
+    trainers = launcher.start_trainers(model.base_dir, model.adapter_dir, ep=cfg.ep, timeout_s=cfg.timeout_s)
+    engines = launcher.start_engines(model.base_dir, 1, timeout_s=cfg.timeout_s)
     version = [0]
     try:
         tpids = [actor_pid(t) for t in trainers]
@@ -41,7 +39,7 @@ def run_ours(model: BenchModel, cfg: BenchConfig, size: int, rows: list[Row], sa
             rows.append(_row("full", trainers, engines, tpids, cfg, version, model_bytes, size, delta=False))
         if cfg.runs("delta_fanout4", size) and cfg.fanout > 1:
             say(f"  {size}x delta ({cfg.fanout} engines)")
-            engines += start_engines(model.base_dir, cfg.fanout - 1, timeout_s=cfg.timeout_s, prefix="fanout")
+            engines += launcher.start_engines(model.base_dir, cfg.fanout - 1, timeout_s=cfg.timeout_s, prefix="fanout")
             rows.append(_row("delta_fanout4", trainers, engines, tpids, cfg, version, model_bytes, size, delta=True))
     finally:
         for actor in [*trainers, *engines]:

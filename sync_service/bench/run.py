@@ -52,8 +52,9 @@ def _factor_streaming(quick: bool) -> dict:
     return {**row, "model": sizes or "factor_streaming_row defaults"}
 
 
-def run_bench(cfg: BenchConfig, *, argv: list[str] | None = None, say=_say) -> dict:
-    """Run every row the size plan allows; returns the report (``report.build_report``)."""
+def run_bench(cfg: BenchConfig, *, launcher, argv: list[str] | None = None, say=_say) -> dict:
+    """Run every row the size plan allows (actors from ``launcher``, a ``protocols.endpoints.Launcher``);
+    returns the report (``report.build_report``)."""
     import ray
 
     from sync_service.sync_cli import quiet_libraries, start_ray
@@ -74,15 +75,15 @@ def run_bench(cfg: BenchConfig, *, argv: list[str] | None = None, say=_say) -> d
             factor_bytes[size] = model.factor_bytes()
             if not ray.is_initialized():
                 start_ray(tmp / "ray")
-            _guard(failed, "ours", size, say, lambda: run_ours(model, cfg, size, rows, say=say))
+            _guard(failed, "ours", size, say, lambda: run_ours(model, cfg, size, rows, launcher, say=say))
             delta = next((r for r in rows if r.kind == "delta" and r.size == size), None)
             if delta is not None:
                 say(f"  {size}x floor")
                 _guard(failed, "floor", size, say, lambda: rows.append(run_floor(delta.bytes, cfg, size, shape.bf16_bytes())))
             if cfg.runs("gather", size):
-                _guard(failed, "gather", size, say, lambda: rows.append(run_gather(model, cfg, size, say=say)))
+                _guard(failed, "gather", size, say, lambda: rows.append(run_gather(model, cfg, size, launcher, say=say)))
             if cfg.runs("disk", size):
-                _guard(failed, "disk", size, say, lambda: rows.append(run_disk(model, cfg, size, work, say=say)))
+                _guard(failed, "disk", size, say, lambda: rows.append(run_disk(model, cfg, size, work, launcher, say=say)))
         ray.shutdown()
         say("factor streaming row")
         factor_streaming: dict = {}

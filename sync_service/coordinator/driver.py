@@ -1,82 +1,86 @@
-"""``Coordinator``: drives syncs between TrainerShard and RolloutEngine actors (driver side).
+"""``Coordinator``: drives syncs between trainer endpoints and rollout endpoints (driver side).
 
-One sync of version v:
-  1. ``snapshot(v)`` on every trainer (returns the names a delta needs; ``None`` = everything);
-  2. every engine ``receive`` (stages, verifies, acks) while every trainer ``send``s its buckets;
-  3. all acked → every engine ``commit(v)``; any failure → every engine ``abort()`` (the previous
-     version stays served everywhere) and ``SyncError`` is raised with the per-engine results.
+One sync of version v (the calls are ``protocols.endpoints``'):
+  1. ``snapshot(v)`` on every trainer (``SnapshotReport``: the names a delta needs);
+  2. a ``Transfer`` (``transfer.py``): every engine ``receive``s while every trainer ``send``s —
+     phase 1; the first failure cancels the round at once;
+  3. all prepared → every engine ``commit(v)`` — phase 2; otherwise every live engine ``abort()``s
+     (the previous version stays served) and ``SyncError`` names each endpoint's error.
 
-Full sync the first time and whenever an engine has not yet received one; otherwise delta: only the
-names the adapter changes. Every frame of a channel goes to all its engines, so a late joiner is
-first brought to the fleet's version by a peer copy from a member engine (``join.py``): the next
-push stays a delta for everyone. Only when no member holds a version it can export does the
-joiner's first push go full to every member. Membership changes reopen the channel (a new
-``TransportSpec`` sized to the members). ``versions`` (a ``VersionBoard``) records what each engine
-committed.
+Full sync the first time and whenever an engine has not received one yet; otherwise delta (the
+``SyncMode``, ``modes.py``, chooses the names). An engine whose actor died leaves the membership
+(``membership.py``) and the same snapshot goes again to the live engines. A late joiner is brought
+to the fleet's version by a peer copy (``join.py``). Membership changes and failed pushes open the
+channel again (``channel.py``).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Sequence
-from dataclasses import replace
+from collections.abc import Callable, Sequence
 
-import ray
-
-from actors.trainer import meta_from_list
+from protocols.endpoints import EndpointDiedError, EndpointError, SendRequest
 from protocols.wire import SyncPlan, encode
+from sync_service.coordinator.calls import alive, call_all, settle
+from sync_service.coordinator.channel import CLOSE_TIMEOUT_S, Channel
 from sync_service.coordinator.join import JoinMetrics, peer_copy
+from sync_service.coordinator.membership import Membership
 from sync_service.coordinator.metrics import EngineResult, SyncError, SyncMetrics
-from sync_service.coordinator.planning import build_sync_plan, validate_plan
-from sync_service.coordinator.versions import VersionBoard
+from sync_service.coordinator.modes import MergedMode, SyncMode
+from sync_service.coordinator.transfer import GRACE_S, Prepared, Transfer
 from sync_service.security import new_secret
-from sync_service.transports import TRANSPORTS, ChannelHost, TransportSpec, host_channel
 
-def _factor_coordination(config, trainers, get):
-    """``FactorCoordination`` for ``SyncConfig.mode`` "factors" / "auto", ``None`` in merged mode."""
-    if getattr(config, "mode", "merged") == "merged":
-        return None
-    from sync_service.factor_stream.choose import FactorPolicy
-    from sync_service.factor_stream.coordination import FactorCoordination
-
-    policy = FactorPolicy(mode=config.mode, factor_memory_bytes=config.factor_memory_bytes,
-                          experts_per_recipe=config.experts_per_recipe)
-    return FactorCoordination(policy, trainers, get)
+__all__ = ["Coordinator"]
 
 
 class Coordinator:
-    """Plans once, validates every engine before any byte moves, and runs syncs (blocking)."""
+    """Plans once, validates every engine before any byte moves, and runs syncs (blocking).
 
-    def __init__(self, trainers: Sequence, engines: Sequence, config) -> None:
+    ``mode(trainers, get)`` makes the ``SyncMode`` (default ``MergedMode``); ``get(refs, what)`` waits
+    for calls on the trainers and raises their ``EndpointError``.
+
+    Raises (constructor):
+        ValueError: no trainers. PlanMismatchError: an engine's table does not fit.
+        EndpointError: an endpoint failed while planning or opening the channel (what this
+        coordinator opened is closed again; other coordinators on the same actors are untouched).
+    """
+
+    def __init__(self, trainers: Sequence, engines: Sequence, config,
+                 mode: Callable[[Sequence, Callable[[list, str], list]], SyncMode] | None = None) -> None:
         if not trainers:
             raise ValueError("WeightSync needs at least one trainer shard")
         self.config = config
         self.trainers = list(trainers)
-        self.engines: list = []
-        self.names: list[str] = []
-        self._full_done: set[str] = set()
-        self._tables: dict[str, list] = {}  # engine name -> its parameter table (ParamMeta list)
-        self.versions = VersionBoard()
+        self.trainer_names = [f"trainer rank {r}" for r in range(len(self.trainers))]
+        self.members = Membership()
+        self.versions = self.members.versions
         self.joins: list[JoinMetrics] = []
-        self._channel_id = uuid.uuid4().hex[:8]
         self._secret = config.secret if config.secret is not None else new_secret()  # HMAC key of every bucket
-        self._epoch = 0
-        self._connected = False
-        self._host: ChannelHost | None = None  # what the open channel needs served here (torch: its store)
-        self._factors = _factor_coordination(config, self.trainers, self._get)
-        self._plan = self._build_plan()
-        self._plan_bytes = encode(self._plan)
+        self._mode = MergedMode() if mode is None else mode(self.trainers, self._trainer_get)
+        owned = self._trainer_get([t.owned_metas.remote() for t in self.trainers], "owned_metas")
+        self._plan = self._mode.build_plan([list(m) for m in owned], bucket_bytes=config.bucket_bytes)
+        self._channel = Channel(owner=uuid.uuid4().hex[:8], plan_bytes=encode(self._plan),
+                                bucket_bytes=self._plan.bucket_bytes, secret=self._secret, config=config)
         for engine in engines:
-            self._admit(engine)
-        if self.engines:
-            self._connect()  # open the channel now, so the first push measures the transfer only
+            name, table = self._validate(engine)
+            self.members.admit(engine, name, table, None)
+        if self.members.handles:
+            self._open()  # now, so the first push measures the transfer only
 
-    # -- membership ------------------------------------------------------------------------
     @property
     def plan(self) -> SyncPlan:
         return self._plan
 
+    @property
+    def engines(self) -> list:
+        return list(self.members.handles)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.members.names)
+
+    # -- membership ------------------------------------------------------------------------
     def add_engine(self, engine) -> str:
         """Validate a new engine against the plan, bring it to the fleet's committed version by a peer
         copy (when a member can export one), and admit it; later pushes are deltas for everyone.
@@ -90,237 +94,191 @@ class Coordinator:
         if peer is None:
             joined = JoinMetrics(engine=name, source="next-push", version=None, bytes=0, buckets=0, seconds=0.0)
         else:
-            p = self.engines.index(peer)
-            self._epoch += 1
-            joined = peer_copy(joiner=engine, joiner_name=name, joiner_table=table, peer=peer, peer_name=self.names[p],
-                               peer_table=self._tables[self.names[p]], version=self.versions.snapshot()[self.names[p]],
-                               config=self.config, channel=f"ws{self._channel_id}j{self._epoch}", secret=self._secret,
+            self._channel.epoch += 1
+            peer_name = self.members.names[peer]
+            joined = peer_copy(joiner=engine, joiner_name=name, joiner_table=table, peer=self.members.handles[peer],
+                               peer_name=peer_name, peer_table=self.members.tables[peer_name],
+                               version=self.versions.snapshot()[peer_name], config=self.config,
+                               channel=f"ws{self._channel.owner}j{self._channel.epoch}", secret=self._secret,
                                get=self._get)
-            self._full_done.add(name)
-        self._append(engine, name, table, joined.version)
+            self._mode.joined()
+        self.members.admit(engine, name, table, joined.version, full=peer is not None)
         self.joins.append(joined)
-        if self._factors is not None:
-            self._factors.stale = True  # a peer copy carries no pristine base: the next push is full
-        self._connected = False
         return name
 
     def remove_engine(self, engine) -> None:
-        """Stop syncing to ``engine`` (it keeps serving its last committed version).
+        """Stop syncing to ``engine`` (it keeps serving its last committed version). Works on an engine
+        whose actor died; removing one that already left (dropped after its death) does nothing.
 
         Raises:
-            ValueError: not a member.
+            ValueError: never a member of this coordinator.
         """
-        for i, e in enumerate(self.engines):
-            if e == engine:
-                self._get([e.close_transport.remote()], "close_transport")
-                del self.engines[i]
-                name = self.names.pop(i)
-                self._full_done.discard(name)
-                self._tables.pop(name, None)
-                self.versions.remove(name)
-                self._connected = False
+        i = self.members.index(engine)
+        if i is None:
+            if self.members.departed_handle(engine):
                 return
-        raise ValueError("remove_engine: that engine is not a member of this WeightSync")
+            raise ValueError("remove_engine: that engine is not a member of this WeightSync")
+        settle([engine.close_transport.remote(self._channel.owner)], [self.members.names[i]], "close_transport",
+               CLOSE_TIMEOUT_S)
+        self.members.drop([i], "removed")
 
     def engine_versions(self) -> dict[str, int | None]:
-        return dict(zip(self.names, self._get([e.weight_version.remote() for e in self.engines], "weight_version")))
+        """Committed version per member engine, asked of the engines; an engine whose actor died is
+        left out (the next push drops it from the membership)."""
+        refs = [e.weight_version.remote() for e in self.members.handles]
+        names = list(self.members.names)
+        results, errors = settle(refs, names, "weight_version", self.config.timeout_s + GRACE_S)
+        return {n: v for n, v, err in zip(names, results, errors) if err is None}
 
     # -- syncs -----------------------------------------------------------------------------
     def snapshot(self, version: int) -> frozenset[str] | None:
         """Freeze ``version`` on every trainer; the union of the names a delta needs (``None``: all)."""
-        changed = self._get([t.snapshot.remote(version) for t in self.trainers], "snapshot")
-        if any(c is None for c in changed):
+        reports = self._trainer_get([t.snapshot.remote(version) for t in self.trainers], "snapshot")
+        if any(r.changed is None for r in reports):
             return None
-        return frozenset(n for c in changed for n in c)
+        return frozenset(n for r in reports for n in r.changed)
 
-    def transfer(self, version: int, changed: frozenset[str] | None, lost: tuple[EngineResult, ...] = ()) -> SyncMetrics:
+    def drop_snapshot(self, version: int) -> None:
+        """The push of ``version`` will not run: the trainers forget its snapshot (best effort)."""
+        settle([t.drop_snapshot.remote(version) for t in self.trainers], self.trainer_names, "drop_snapshot",
+               CLOSE_TIMEOUT_S)
+
+    def transfer(self, version: int, changed: frozenset[str] | None) -> SyncMetrics:
         """Stream the snapshot of ``version`` to every engine and commit it — or abort everywhere.
 
-        An engine whose actor died mid-stream leaves the membership: the live engines abort, the
-        channel reopens without it, and the same snapshot is streamed again, so they commit
-        ``version``; the metrics report the dead one (``committed=False``, error "... died ...").
+        An engine whose actor died leaves the membership and the same snapshot goes again to the live
+        engines, so they commit ``version``; the metrics report the dead one (``committed=False``,
+        error "... died ...").
 
         Raises:
             SyncError: a trainer or a live engine failed; no engine committed ``version``.
         """
-        if not self.engines:
-            for t in self.trainers:
-                t.drop_snapshot.remote(version)
-            raise SyncError(f"push({version}): no engines to sync to", None)
-        t0 = time.perf_counter()
-        if not self._connected:
-            self._connect()
-        full = changed is None or any(n not in self._full_done for n in self.names)
-        names = None if full else sorted(changed)
-        if self._factors is not None:  # factor streaming: full, or changed merged tensors + changed factor blocks
-            delta = self._factors.names(version, changed, full)
-            full, names = delta is None, None if delta is None else sorted(delta)
-        session = f"{self._channel_id}-{self._epoch}-v{version}"
-        timeout = self.config.timeout_s
-        recv = [e.receive.remote(timeout) for e in self.engines]
-        send = [t.send.remote(session, version, names, timeout, check_finite=self.config.check_finite)
-                for t in self.trainers]
-        sent, send_errors = self._collect(send)
-        dead = self._dead_engines() if any(send_errors) else []
-        if dead or (any(send_errors) and len(ray.wait(recv, num_returns=len(recv), timeout=1.0)[0]) < len(recv)):
-            self._close_senders()  # engines still waiting for frames that will not come see the close at once
-        received, recv_errors = self._collect(recv)
-        ok = not any(send_errors) and not any(recv_errors)
-        if not ok:
-            dead = dead or self._dead_engines()
-            live = [e for i, e in enumerate(self.engines) if i not in dead]
-            self._get([e.abort.remote() for e in live], "abort")
-            if dead and live:
-                gone = tuple(EngineResult(engine=self.names[i], committed=False, apply_s=0.0, payload_bytes=0,
-                                          error=f"engine {self.names[i]} died during push({version}) and left the "
-                                                f"membership: {recv_errors[i]}") for i in dead)
-                self._drop(dead)
-                return self.transfer(version, changed, lost + gone)  # the same snapshot, to the live engines
-        results = list(lost)
-        if ok:
-            tc = time.perf_counter()
-            self._get([e.commit.remote(version) for e in self.engines], "commit")
-            commit_s = time.perf_counter() - tc
-            self._full_done.update(self.names)
-            self.versions.record(self.names, version)
-            if self._factors is not None:
-                self._factors.committed(version)
-        else:
-            commit_s = 0.0
-            if self._factors is not None:
-                self._factors.failed()
-        for name, stats, err in zip(self.names, received, recv_errors):
-            results.append(EngineResult(engine=name, committed=ok, error=err or (None if ok else "sync aborted"),
-                                        apply_s=stats["apply_s"] if stats else 0.0,
-                                        payload_bytes=stats["payload_bytes"] if stats else 0))
-        metrics = SyncMetrics.from_stats(version=version, full=full, sent=[s for s in sent if s],
-                                         engines=results, commit_s=commit_s, seconds=time.perf_counter() - t0)
-        if self._factors is not None:
-            metrics = replace(metrics, mode=self.config.mode, factor_tensors=tuple(sorted(self._factors.choice.factors)))
-        if not ok:
-            detail = "; ".join(e for e in send_errors + recv_errors if e)
-            raise SyncError(f"push({version}) aborted on every engine: {detail[:2000]}", metrics)
-        return metrics
+        t0, lost = time.perf_counter(), []
+        while True:
+            if not self.members.handles:
+                self.drop_snapshot(version)
+                raise SyncError(f"push({version}): no engines to sync to" + _left(lost), None)
+            try:
+                self._ensure_open(lost)
+                if not self.members.handles:
+                    continue
+                names = self._mode.names(version, changed, changed is None or self.members.needs_full())
+            except EndpointError as exc:
+                self._forget(version)
+                raise SyncError(f"push({version}) failed before any byte moved: {exc}" + _left(lost), None) from None
+            run = self._transfer_for()
+            prepared = run.prepare(SendRequest(owner=self._channel.owner, session=f"{self._channel.owner}-"
+                                               f"{self._channel.epoch}-v{version}", version=version,
+                                               names=None if names is None else tuple(sorted(names)),
+                                               timeout_s=self.config.timeout_s, check_finite=self.config.check_finite))
+            if prepared.ok:
+                return self._commit(run, prepared, version, names is None, lost, t0)
+            dead = prepared.dead_engines()
+            run.abort(skip=dead)
+            if dead and len(dead) < len(run.engines) and not prepared.trainer_died():
+                lost += self._drop_dead(dead, prepared, version)
+                continue  # the same snapshot, to the live engines
+            self._fail(run, prepared, version, names is None, lost, t0)
 
     # -- internals -------------------------------------------------------------------------
-    def _dead_engines(self) -> list[int]:
-        """Indices of member engines whose actor is gone (a busy engine still answers: threaded actor)."""
-        refs = [e.engine_name.remote() for e in self.engines]
-        dead = []
-        for i, ref in enumerate(refs):
-            try:
-                ray.get(ref, timeout=5.0)
-            except ray.exceptions.RayActorError:
-                dead.append(i)
-            except ray.exceptions.GetTimeoutError:
-                pass
-        return dead
+    def _transfer_for(self) -> Transfer:
+        return Transfer(channel=self._channel, trainers=self.trainers, trainer_names=self.trainer_names,
+                        engines=self.members.handles, engine_names=self.members.names, timeout_s=self.config.timeout_s)
 
-    def _drop(self, indices: list[int]) -> None:
-        """Forget dead member engines (no call reaches them); the channel reopens without them."""
-        for i in sorted(indices, reverse=True):
-            del self.engines[i]
-            name = self.names.pop(i)
-            self._full_done.discard(name)
-            self._tables.pop(name, None)
-            self.versions.remove(name)
-        self._connected = False
+    def _commit(self, run: Transfer, prepared: Prepared, version: int, full: bool, lost: list, t0: float) -> SyncMetrics:
+        errors, commit_s = run.commit(version)  # an engine that fails here serves its previous version
+        committed = [n for n, e in zip(run.engine_names, errors) if e is None]
+        self.members.committed(version, committed)
+        self._mode.committed(version)
+        results = list(lost) + [_result(n, e is None, None if e is None else str(e), r)
+                                for n, r, e in zip(run.engine_names, prepared.received, errors)]
+        dead = [i for i, e in enumerate(errors) if isinstance(e, EndpointDiedError)]
+        if dead:
+            self.members.drop(dead, [f"engine {run.engine_names[i]} died at commit({version})" for i in dead])
+        return self._metrics(version, full, prepared, results, commit_s, t0)
 
-    def _close_senders(self) -> None:
-        """Close the trainers' channel sides (receivers see the close, e.g. shm within ~0.2 s)."""
+    def _forget(self, version: int) -> None:
+        """A push of ``version`` failed: the mode forgets its delta state, the trainers the snapshot."""
         try:
-            ray.get([t.close_transport.remote() for t in self.trainers], timeout=30)
-        except Exception:
-            pass  # a dead trainer: its receivers see the peer gone
-        self._connected = False
+            self._mode.failed()
+        except EndpointError:
+            pass  # a dead trainer: the push's own error says so
+        self.drop_snapshot(version)
 
-    def _build_plan(self) -> SyncPlan:
-        owned = self._get([t.owned_metas.remote() for t in self.trainers], "owned_metas")
-        if self._factors is not None:
-            return self._factors.build_plan([[meta_from_list(m) for m in metas] for metas in owned],
-                                            bucket_bytes=self.config.bucket_bytes)
-        return build_sync_plan([[meta_from_list(m) for m in metas] for metas in owned],
-                               bucket_bytes=self.config.bucket_bytes)
+    def _fail(self, run: Transfer, prepared: Prepared, version: int, full: bool, lost: list, t0: float) -> None:
+        self._forget(version)
+        results = list(lost) + [_result(n, False, str(err) if err else "sync aborted", r)
+                                for n, r, err in zip(run.engine_names, prepared.received, prepared.recv_errors)]
+        metrics = self._metrics(version, full, prepared, results, 0.0, t0)
+        raise SyncError(f"push({version}) aborted on every engine: {prepared.detail()[:2000]}", metrics)
 
-    def _admit(self, engine) -> str:
-        name, table = self._validate(engine)
-        self._append(engine, name, table, None)
-        return name
+    def _metrics(self, version: int, full: bool, prepared: Prepared, results: list, commit_s: float,
+                 t0: float) -> SyncMetrics:
+        metrics = SyncMetrics.from_stats(version=version, full=full, sent=[s for s in prepared.sent if s],
+                                         engines=results, commit_s=commit_s, seconds=time.perf_counter() - t0)
+        return self._mode.report(metrics)
+
+    def _drop_dead(self, dead: list[int], prepared: Prepared, version: int) -> list[EngineResult]:
+        names = [self.members.names[i] for i in dead]
+        reasons = [f"engine {n} died during push({version}) and left the membership: {prepared.recv_errors[i]}"
+                   for n, i in zip(names, dead)]
+        self.members.drop(dead, reasons)
+        return [EngineResult(engine=n, committed=False, apply_s=0.0, payload_bytes=0, error=r)
+                for n, r in zip(names, reasons)]
+
+    def _ensure_open(self, lost: list) -> None:
+        """Open the channel if the members changed or the last push failed. Engines whose actor died
+        leave the membership first (an open waits for every receiver: a dead one would stall it)."""
+        if self._channel.open_now and not self.members.changed:
+            return
+        dead = [i for i, ok in enumerate(alive(self.members.handles)) if not ok]
+        if dead:
+            names = [self.members.names[i] for i in dead]
+            reasons = [f"engine {n} died before the push and left the membership" for n in names]
+            self.members.drop(dead, reasons)
+            lost += [EngineResult(engine=n, committed=False, apply_s=0.0, payload_bytes=0, error=r)
+                     for n, r in zip(names, reasons)]
+        if self.members.handles:
+            self._open()
+
+    def _open(self) -> None:
+        self._channel.open(self.trainers, self.trainer_names, self.members.handles, self.members.names)
+        self.members.changed = False
 
     def _validate(self, engine) -> tuple[str, list]:
         name, raw = self._get([engine.engine_name.remote(), engine.param_metas.remote()], "param_metas")
-        if name in self.names:
-            name = f"{name}#{len(self.names)}"
-        table = [meta_from_list(m) for m in raw]
-        (validate_plan if self._factors is None else self._factors.validate)(self._plan, table, engine=name)
+        name = self.members.unique_name(name)
+        table = list(raw)
+        self._mode.validate(self._plan, table, engine=name)
         return name, table
 
-    def _append(self, engine, name: str, table: list, version: int | None) -> None:
-        self.engines.append(engine)
-        self.names.append(name)
-        self._tables[name] = table
-        self.versions.admit(name, version)
-
-    def _pick_peer(self):
+    def _pick_peer(self) -> int | None:
         """A member that received a full sync from this coordinator, committed a version and can export."""
         versions = self.versions.snapshot()
-        for engine, name in zip(self.engines, self.names):
-            if name in self._full_done and versions.get(name) is not None and self._get([engine.can_export.remote()], "can_export")[0]:
-                return engine
+        for i, (engine, name) in enumerate(zip(self.members.handles, self.members.names)):
+            if name in self.members.full_done and versions.get(name) is not None and \
+                    self._get([engine.can_export.remote()], "can_export")[0]:
+                return i
         return None
 
-    def _connect(self) -> None:
-        self._epoch += 1
-        spec = TransportSpec(kind=TRANSPORTS[self.config.transport].push, name=f"ws{self._channel_id}e{self._epoch}",
-                             num_senders=len(self.trainers), num_receivers=len(self.engines),
-                             bucket_bytes=self._plan.bucket_bytes, connect_timeout_s=self.config.timeout_s,
-                             op_timeout_s=self.config.timeout_s)
-        self._close_host()
-        self._host = host_channel(spec, bind_host=self.config.bind_host, port_range=self.config.port_range)
-        raw = self._host.spec.to_bytes()
-        refs = [t.open_transport.remote(raw, self._plan_bytes, secret=self._secret) for t in self.trainers]
-        refs += [e.open_transport.remote(raw, self._plan_bytes, i, secret=self._secret) for i, e in enumerate(self.engines)]
-        self._get(refs, "open_transport")
-        self._connected = True
+    def _get(self, refs: list, what: str, names: Sequence[str] | None = None) -> list:
+        """Results of ``refs``; raises the first endpoint's ``EndpointError``."""
+        return call_all(refs, names or ["engine"] * len(refs), what, self.config.timeout_s + GRACE_S)
 
-    def _collect(self, refs: list) -> tuple[list, list]:
-        """Results and error texts of ``refs`` (each waited for at most timeout_s + grace)."""
-        results, errors = [], []
-        deadline = time.monotonic() + self.config.timeout_s + 30.0
-        for ref in refs:
-            try:
-                results.append(ray.get(ref, timeout=max(deadline - time.monotonic(), 0.1)))
-                errors.append(None)
-            except Exception as exc:  # RayTaskError wraps the actor's exception; keep its text
-                results.append(None)
-                errors.append(_short(exc))
-        return results, errors
-
-    def _get(self, refs: list, what: str) -> list:
-        try:
-            return ray.get(refs, timeout=self.config.timeout_s + 30.0)
-        except ray.exceptions.RayTaskError as exc:
-            raise exc.as_instanceof_cause() from None
-        except ray.exceptions.GetTimeoutError:
-            raise TimeoutError(f"{what}: no answer within {self.config.timeout_s + 30.0:.0f} s") from None
+    def _trainer_get(self, refs: list, what: str) -> list:
+        """``_get`` of calls on the first ``len(refs)`` trainers (named by rank)."""
+        return self._get(refs, what, self.trainer_names[:len(refs)])
 
     def close(self) -> None:
-        """Close every channel side (best effort, bounded)."""
-        refs = [t.close_transport.remote() for t in self.trainers] + [e.close_transport.remote() for e in self.engines]
-        try:
-            ray.get(refs, timeout=30)
-        except Exception:
-            pass
-        self._connected = False
-        self._close_host()
-
-    def _close_host(self) -> None:
-        if self._host is not None:
-            self._host.close()
-            self._host = None
+        """Close every channel side this coordinator opened (best effort, bounded), then its host."""
+        self._channel.close(self.trainers + self.members.handles)
+        self._channel.close_host()
 
 
-def _short(exc: BaseException) -> str:
-    text = str(exc.as_instanceof_cause() if isinstance(exc, ray.exceptions.RayTaskError) else exc)
-    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
-    return lines[-1][:1000] if lines else type(exc).__name__
+def _result(name: str, committed: bool, error: str | None, report) -> EngineResult:
+    return EngineResult(engine=name, committed=committed, error=error, apply_s=report.apply_s if report else 0.0,
+                        payload_bytes=report.payload_bytes if report else 0)
+
+
+def _left(lost: list[EngineResult]) -> str:
+    return "" if not lost else " (" + "; ".join(r.error or r.engine for r in lost) + ")"

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from protocols.endpoints import ExportRequest, OpenChannel
 from protocols.params import ParamMeta
 from protocols.wire import SyncPlan, encode
 from sync_service.coordinator.metrics import SyncError
@@ -71,15 +72,16 @@ def peer_copy(*, joiner, joiner_name: str, joiner_table: Sequence[ParamMeta], pe
                          bucket_bytes=plan.bucket_bytes, connect_timeout_s=config.timeout_s,
                          op_timeout_s=config.timeout_s)
     raw, plan_bytes, timeout = spec.to_bytes(), encode(plan), config.timeout_s
-    opened = joiner.open_transport.remote(raw, plan_bytes, 0, secret=secret)
-    send = peer.send_weights.remote(raw, plan_bytes, f"{channel}-v{version}", version, timeout, secret=secret)
+    opened = joiner.open_transport.remote(OpenChannel(owner=channel, spec=raw, plan=plan_bytes, index=0, secret=secret))
+    send = peer.send_weights.remote(ExportRequest(spec=raw, plan=plan_bytes, session=f"{channel}-v{version}",
+                                                  version=version, timeout_s=timeout, secret=secret))
     try:
         get([opened], "open_transport (late joiner)")
-        sent, received = get([send, joiner.receive.remote(timeout)], "peer copy")
-        get([joiner.commit.remote(version)], "commit (late joiner)")
+        sent, received = get([send, joiner.receive.remote(channel, timeout)], "peer copy")
+        get([joiner.commit.remote(channel, version)], "commit (late joiner)")
     except Exception as exc:
         try:
-            ray.get([joiner.abort.remote()], timeout=30)
+            ray.get([joiner.abort.remote(channel)], timeout=30)
             ray.get([send], timeout=30)
         except Exception:
             pass  # the copy's own error is what the caller needs
@@ -87,8 +89,8 @@ def peer_copy(*, joiner, joiner_name: str, joiner_table: Sequence[ParamMeta], pe
                         None) from exc
     finally:
         try:
-            ray.get([joiner.close_transport.remote()], timeout=30)
+            ray.get([joiner.close_transport.remote(channel)], timeout=30)
         except Exception:
             pass
     return JoinMetrics(engine=joiner_name, source=f"peer:{peer_name}", version=version,
-                       bytes=received["payload_bytes"], buckets=sent["buckets"], seconds=time.perf_counter() - t0)
+                       bytes=received.payload_bytes, buckets=sent.buckets, seconds=time.perf_counter() - t0)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from protocols.endpoints import SendReport
+
+
 STAGES = ("gather_s", "merge_s", "pack_s", "transfer_s", "apply_s", "commit_s")
 """``SyncMetrics``' stage-second fields in pipeline order: every breakdown (CLI rows, JSON, benchmarks) uses these."""
 
@@ -64,13 +67,14 @@ class SyncMetrics:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
     @classmethod
-    def from_stats(cls, *, version: int, full: bool, sent: list[dict], engines: list[EngineResult],
+    def from_stats(cls, *, version: int, full: bool, sent: list[SendReport], engines: list[EngineResult],
                    commit_s: float, seconds: float) -> "SyncMetrics":
+        """From the trainers' ``SendReport``s and the engines' results of one push."""
         def slowest(key: str) -> float:
-            return max((s[key] for s in sent), default=0.0)
+            return max((getattr(s, key) for s in sent), default=0.0)
 
-        return cls(version=version, full=full, bytes=sum(s["payload_bytes"] for s in sent),
-                   buckets=sum(s["buckets"] for s in sent), seconds=seconds, gather_s=slowest("gather_s"),
+        return cls(version=version, full=full, bytes=sum(s.payload_bytes for s in sent),
+                   buckets=sum(s.buckets for s in sent), seconds=seconds, gather_s=slowest("gather_s"),
                    merge_s=slowest("merge_s"), pack_s=slowest("pack_s"), transfer_s=slowest("transfer_s"),
                    apply_s=max((e.apply_s for e in engines), default=0.0), commit_s=commit_s, engines=tuple(engines))
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from protocols.endpoints import FactorCost as TargetCost  # the cost a trainer endpoint reports
+
 MODES = ("merged", "factors", "auto")
 log = logging.getLogger("weightsync.factors")
 
@@ -43,17 +45,6 @@ class FactorPolicy:
             raise ValueError(f"factor_memory_bytes={self.factor_memory_bytes} must be >= 0 or None")
         if self.experts_per_recipe < 1:
             raise ValueError(f"experts_per_recipe={self.experts_per_recipe} must be >= 1")
-
-
-@dataclass(frozen=True, slots=True)
-class TargetCost:
-    """Bytes of one tensor under each mode. ``why_not`` says why it cannot be factor-streamed (or ``""``)."""
-
-    name: str
-    merged_bytes: int
-    factor_bytes: int
-    pristine_bytes: int
-    why_not: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from protocols.params import ParamMeta
-from protocols.recipe import recipe_from_list
 from protocols.wire import SyncPlan
-from sync_service.factor_stream.choose import FactorChoice, FactorPolicy, TargetCost, choose
+from sync_service.coordinator.metrics import SyncMetrics
+from sync_service.factor_stream.choose import FactorChoice, FactorPolicy, choose
 from sync_service.factor_stream.plan import build_factor_plan, factor_targets, validate_factor_plan
 
 __all__ = ["FactorCoordination"]
@@ -23,7 +24,10 @@ log = logging.getLogger("weightsync.factors")
 
 
 class FactorCoordination:
-    """Args: policy; trainers (TrainerShard handles); get: the coordinator's bounded ``ray.get``."""
+    """The coordinator's ``SyncMode`` (``sync_service/coordinator/modes.py``) of factor streaming.
+
+    Args: policy; trainers (``FactorTrainerEndpoint`` handles); get: the coordinator's bounded
+    ``ray.get`` (raises ``EndpointError``)."""
 
     def __init__(self, policy: FactorPolicy, trainers: Sequence, get: Callable[[list, str], list]) -> None:
         self.policy, self.trainers, self._get = policy, list(trainers), get
@@ -34,11 +38,10 @@ class FactorCoordination:
 
     def build_plan(self, owned: Sequence[Sequence[ParamMeta]], *, bucket_bytes: int) -> SyncPlan:
         (costs,) = self._get([self.trainers[0].factor_costs.remote()], "factor_costs")
-        self.choice = choose([TargetCost(name=c[0], merged_bytes=c[1], factor_bytes=c[2], pristine_bytes=c[3], why_not=c[4])
-                              for c in costs], self.policy)
+        self.choice = choose(list(costs), self.policy)
         (raw,) = self._get([self.trainers[0].factor_recipes.remote(sorted(self.choice.factors), self.policy.experts_per_recipe,
                                                                    bucket_bytes)], "factor_recipes")
-        self.plan = build_factor_plan(owned, [recipe_from_list(r) for r in raw], bucket_bytes=bucket_bytes)
+        self.plan = build_factor_plan(owned, list(raw), bucket_bytes=bucket_bytes)
         return self.plan
 
     def validate(self, plan: SyncPlan, table: Sequence[ParamMeta], *, engine: str) -> None:
@@ -62,5 +65,12 @@ class FactorCoordination:
         self.stale = False
 
     def failed(self) -> None:
-        self._get([t.factor_forget.remote() for t in self.trainers], "factor_forget")
         self.stale = True
+        self._get([t.factor_forget.remote() for t in self.trainers], "factor_forget")
+
+    def joined(self) -> None:
+        """A peer copy carries no pristine base: the next push is full."""
+        self.stale = True
+
+    def report(self, metrics: SyncMetrics) -> SyncMetrics:
+        return replace(metrics, mode=self.policy.mode, factor_tensors=tuple(sorted(self.choice.factors)))

@@ -1,4 +1,4 @@
-"""Trainer-rank side of factor streaming behind the ``TrainerShard`` actor (plain values in and out).
+"""Trainer-rank side of factor streaming behind the ``TrainerShard`` actor (``protocols.endpoints`` reports out).
 
 ``FactorTrainer`` answers the coordinator's planning questions from the adapter's *structure*
 (zero-filled full-size factors normalised by the merge core, as ``TrainerState`` does for its
@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from protocols.recipe import recipe_list
+from protocols.endpoints import FactorCost
+from protocols.recipe import Recipe
 from protocols.wire import SyncPlan
 from sync_service.factor_stream.plan import adapter_recipes, recipe_names_of, target_costs
 from sync_service.factor_stream.source import FactorLedger, FactorSource
@@ -41,19 +42,17 @@ class FactorTrainer:
         self.ledger = FactorLedger()
         self._prepared: dict[int, MergedSource] = {}
 
-    def costs(self, state) -> list[list]:
-        """``[name, merged_bytes, factor_bytes, pristine_bytes, why_not]`` per changed tensor."""
+    def costs(self, state) -> tuple[FactorCost, ...]:
+        """Merged vs factor cost per changed tensor."""
         out_dtype = state.merge.out_dtype
         adapter = structural_adapter(state)
         outs = {m.name: out_dtype for m in state.base.metas()} if out_dtype else {}
-        return [[c.name, c.merged_bytes, c.factor_bytes, c.pristine_bytes, c.why_not]
-                for c in target_costs(adapter, state.base.metas(), outs)]
+        return tuple(target_costs(adapter, state.base.metas(), outs))
 
-    def recipes(self, state, names: list[str], *, experts_per_recipe: int, bucket_bytes: int) -> list[list]:
-        """Every recipe block of ``names`` (msgpack-able lists, ``protocols.recipe.recipe_list``)."""
-        recipes = adapter_recipes(structural_adapter(state), state.base.metas(), names,
-                                  experts_per_recipe=experts_per_recipe, bucket_bytes=bucket_bytes)
-        return [recipe_list(r) for r in recipes]
+    def recipes(self, state, names: list[str], *, experts_per_recipe: int, bucket_bytes: int) -> tuple[Recipe, ...]:
+        """Every recipe block of ``names``."""
+        return tuple(adapter_recipes(structural_adapter(state), state.base.metas(), names,
+                                     experts_per_recipe=experts_per_recipe, bucket_bytes=bucket_bytes))
 
     def delta(self, state, version: int, plan: SyncPlan, rank: int) -> list[str]:
         """Gather the snapshot's factors (collective), keep the source for ``source(version)``, and

@@ -67,12 +67,11 @@ def _verify(engines, names, reference: dict, merged_dir: Path, timeout_s: float)
     return out
 
 
-def _run(cfg: RunConfig, kind: str, losses: list) -> list[VersionRow]:
+def _run(cfg: RunConfig, kind: str, losses: list, launcher) -> list[VersionRow]:
     import ray
 
     from sync_service.api import SyncConfig, WeightSync
     from sync_service.live.example import ExampleTrainingRank, lora_config
-    from sync_service.local import start_engines
 
     tmp = Path(tempfile.mkdtemp(prefix="wslive"))
     rows: list[VersionRow] = []
@@ -86,7 +85,7 @@ def _run(cfg: RunConfig, kind: str, losses: list) -> list[VersionRow]:
         host, port = ray.get(ranks[0].rendezvous.remote(), timeout=cfg.timeout_s)
         handles = ray.get([r.setup.remote(host, port, str(cfg.base), kind) for r in ranks], timeout=cfg.timeout_s)
         steps.step(f"starting {cfg.engines} engine(s)")
-        engines = start_engines(cfg.base, cfg.engines, timeout_s=cfg.timeout_s)
+        engines = launcher.start_engines(cfg.base, cfg.engines, timeout_s=cfg.timeout_s)
         names = [ray.get(e.engine_name.remote()) for e in engines]
         steps.step("planning, validating the plan against every engine")
         sync = WeightSync(trainers=handles, engines=engines, config=SyncConfig(
@@ -116,9 +115,10 @@ def _adapter(state: dict) -> dict:
     return {k: torch.from_numpy(v.copy()) for k, v in state.items()}
 
 
-def run_trainer_demo(cfg: RunConfig, extra: dict, *, kind: str) -> int:
-    """Run the live-trainer demo (``kind``: ``"fsdp2"``, ``"ddp"`` or ``"ep"``); 0 iff every version verified."""
+def run_trainer_demo(cfg: RunConfig, extra: dict, *, kind: str, launcher) -> int:
+    """Run the live-trainer demo (``kind``: ``"fsdp2"``, ``"ddp"`` or ``"ep"``; engines from ``launcher``,
+    a ``protocols.endpoints.Launcher``); 0 iff every version verified."""
     losses: list[float] = []
     trainer = {"kind": kind, "world": WORLD, "loss": losses}
-    return run_and_report(cfg, lambda c: _run(c, kind, losses), extra, engines=f"{cfg.engines} engine(s)",
+    return run_and_report(cfg, lambda c: _run(c, kind, losses, launcher), extra, engines=f"{cfg.engines} engine(s)",
                           json_extra={"trainer": trainer})

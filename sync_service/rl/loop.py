@@ -59,25 +59,22 @@ def window_means(curve: list[float], window: int) -> tuple[float, float]:
     return sum(curve[:window]) / window, sum(curve[-window:]) / window
 
 
-def run_rl(base_dir: str | Path, adapter_dir: str | Path, config: RLConfig, *, vocab_size: int) -> RLResult:
-    """Start ``config.ep`` PolicyTrainer shards and ``config.engines`` engines on the running Ray, run the
-    loop with sync, then the control run on the same actors (reloaded to the adapter); kills them after.
+def run_rl(base_dir: str | Path, adapter_dir: str | Path, config: RLConfig, *, vocab_size: int, launcher) -> RLResult:
+    """Start ``config.ep`` PolicyTrainer shards and ``config.engines`` engines on the running Ray
+    (``launcher``: ``protocols.endpoints.Launcher``), run the loop with sync, then the control run on
+    the same actors (reloaded to the adapter); kills them after.
 
     Raises:
         SyncError / TimeoutError: a push or a rollout failed.
     """
     import ray
 
-    from actors.policy_trainer import PolicyTrainer
-    from sync_service.local import start_engines
-
     task = TargetTokenTask.from_vocab(vocab_size)
-    trainers = [PolicyTrainer.remote(base_dir=str(base_dir), adapter_dir=str(adapter_dir), rank=r, ep=config.ep,
-                                     gather_timeout_s=config.timeout_s) for r in range(config.ep)]
-    engines = start_engines(base_dir, config.engines, prefix="rollout", timeout_s=config.timeout_s)
+    trainers = launcher.start_policy_trainers(base_dir, adapter_dir, ep=config.ep, timeout_s=config.timeout_s)
+    engines = launcher.start_engines(base_dir, config.engines, prefix="rollout", timeout_s=config.timeout_s)
     try:
-        synced = run_curve(trainers, engines, base_dir, adapter_dir, task, config, sync_enabled=True)
-        control = run_curve(trainers, engines, base_dir, adapter_dir, task, config, sync_enabled=False)
+        synced = run_curve(trainers, engines, base_dir, adapter_dir, task, config, sync_enabled=True, launcher=launcher)
+        control = run_curve(trainers, engines, base_dir, adapter_dir, task, config, sync_enabled=False, launcher=launcher)
     finally:
         for actor in trainers + engines:
             ray.kill(actor)
@@ -85,15 +82,13 @@ def run_rl(base_dir: str | Path, adapter_dir: str | Path, config: RLConfig, *, v
 
 
 def run_curve(trainers: list, engines: list, base_dir, adapter_dir, task: TargetTokenTask, config: RLConfig, *,
-              sync_enabled: bool) -> Curve:
+              sync_enabled: bool, launcher) -> Curve:
     """One run from the adapter's initial factors (trainers reloaded, version 0 pushed to every engine)."""
     import ray
 
     from sync_service.api import SyncConfig, WeightSync
-    from sync_service.local import start_trainers
-
     t0 = time.perf_counter()
-    start_trainers(base_dir, adapter_dir, ep=config.ep, reuse=trainers, timeout_s=config.timeout_s)
+    launcher.start_trainers(base_dir, adapter_dir, ep=config.ep, reuse=trainers, timeout_s=config.timeout_s)
     ray.get([t.start_learner.remote(config.lr, config.temperature) for t in trainers], timeout=config.timeout_s)
     sync = WeightSync(trainers=trainers, engines=engines, config=SyncConfig(
         transport=config.transport, bucket_bytes=config.bucket_bytes, timeout_s=config.timeout_s,

@@ -28,8 +28,9 @@ def rose(result: RLResult) -> tuple[bool, bool]:
     return s1 - s0 >= MIN_RISE, c1 - c0 < MAX_CONTROL_RISE
 
 
-def run_demo_rl(cache_dir: Path, *, config: RLConfig, png_path: Path | None, json_path: Path | None) -> int:
-    """Run both curves on the cached demo model; 0 if the synced reward rose and the control did not."""
+def run_demo_rl(cache_dir: Path, *, config: RLConfig, png_path: Path | None, json_path: Path | None, launcher) -> int:
+    """Run both curves on the cached demo model (``launcher``: ``protocols.endpoints.Launcher``); 0 if
+    the synced reward rose and the control did not."""
     from sync_service.synthetic.demo_files import DEMO_MODEL, ensure_files
     from sync_service.rl.plot import save_reward_plot
     from sync_service.sync_cli import quiet_libraries, start_ray
@@ -41,7 +42,7 @@ def run_demo_rl(cache_dir: Path, *, config: RLConfig, png_path: Path | None, jso
     tmp = Path(tempfile.mkdtemp(prefix="wsrl"))
     try:
         start_ray(tmp / "ray")
-        result = run_rl(base, adapter, config, vocab_size=DEMO_MODEL["vocab_size"])
+        result = run_rl(base, adapter, config, vocab_size=DEMO_MODEL["vocab_size"], launcher=launcher)
     finally:
         ray.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)

@@ -12,7 +12,7 @@ import pytest
 
 from sync_service.bench.report import GOALS
 from sync_service.bench.rows import ROW_KINDS, BenchConfig
-from sync_service.cli import main
+from actors.cli import main
 
 REPEATS = 3
 

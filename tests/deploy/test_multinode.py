@@ -13,6 +13,7 @@ import time
 import pytest
 import ray
 
+from actors.launch import RayLauncher
 from sync_service.api import SyncConfig, WeightSync
 from sync_service.deploy_config import parse_config
 from sync_service.local import AdapterReplay, reference_state
@@ -51,7 +52,7 @@ def test_weightsync_run_cli_on_the_cluster(cluster, tiny_files, tmp_path):
            "engines": {"count": 1, "engine": "memory"}, "run": {"versions": 2},
            "sync": {"bucket_bytes": 8192, "timeout_s": 120}}
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(doc))
-    out = subprocess.run([sys.executable, "-m", "sync_service.cli", "run", "--config", str(tmp_path / "run.yaml"),
+    out = subprocess.run([sys.executable, "-m", "actors.cli", "run", "--config", str(tmp_path / "run.yaml"),
                           "--address", cluster.address, "--json", str(tmp_path / "run.json")],
                          capture_output=True, text=True, timeout=240, env={**os.environ, "RAY_TMPDIR": os.environ["RAY_TMPDIR"]})
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
@@ -70,7 +71,7 @@ def test_weightsync_run_cli_on_the_cluster(cluster, tiny_files, tmp_path):
 def deployed(cluster, tiny_files):
     """The config placed on the cluster, a WeightSync over Ray's object store, the adapter replay."""
     cfg = config(*tiny_files)
-    dep = Deployment.start(cfg)
+    dep = Deployment.start(cfg, RayLauncher())
     sync = WeightSync(trainers=dep.trainers, engines=dep.engines, config=SYNC)
     state = {"cfg": cfg, "dep": dep, "sync": sync, "replay": AdapterReplay(tiny_files[1]), "next_version": 0}
     try:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from sync_service.api import SyncConfig
-from sync_service.cli import main
+from actors.cli import main
 from sync_service.synthetic import make_base
 
 

@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from protocols.params import DTYPE_BYTES
 from sync_service.api import PlanMismatchError, SyncConfig, WeightSync
-from sync_service.local import AdapterReplay, reference_state, start_engines, start_trainers
+from actors.launch import start_engines, start_trainers
+from sync_service.local import AdapterReplay, reference_state
 from sync_service.synthetic import make_adapter, make_base
 from tests.e2e.conftest import assert_engines_equal
 

@@ -12,7 +12,8 @@ import pytest
 
 from protocols.params import DTYPE_BYTES
 from sync_service.api import SyncConfig, WeightSync
-from sync_service.local import AdapterReplay, reference_state, start_engines, start_trainers
+from actors.launch import start_engines, start_trainers
+from sync_service.local import AdapterReplay, reference_state
 from sync_service.synthetic import make_adapter, make_base
 from tests.e2e.conftest import assert_engines_equal
 
@@ -42,10 +43,10 @@ def test_factor_mode_three_versions_bitwise_then_late_joiner_gets_full_sync(ray_
                 assert 0 < metrics.bytes < full_bytes / 2, (metrics.bytes, full_bytes)
         states = ray.get([e.factor_state.remote() for e in engines])
         # every engine holds the same resident set: at least the pristine copy of each factor target
-        table = {m[0]: m for m in ray.get(engines[0].param_metas.remote())}
-        pristine = sum(math.prod(table[n][2]) * DTYPE_BYTES[table[n][1]] for n in metrics.factor_tensors)
-        assert all(s["ready"] for s in states) and len({s["resident_bytes"] for s in states}) == 1
-        assert states[0]["resident_bytes"] >= pristine > 0, (states, pristine)
+        table = {m.name: m for m in ray.get(engines[0].param_metas.remote())}
+        pristine = sum(math.prod(table[n].shape) * DTYPE_BYTES[table[n].dtype] for n in metrics.factor_tensors)
+        assert all(s.ready for s in states) and len({s.resident_bytes for s in states}) == 1
+        assert states[0].resident_bytes >= pristine > 0, (states, pristine)
         late = start_engines(base, 1, prefix="late")
         sync.add_engine(late[0])
         ray.get([t.train_step.remote(3) for t in trainers])
@@ -53,6 +54,6 @@ def test_factor_mode_three_versions_bitwise_then_late_joiner_gets_full_sync(ray_
         metrics = sync.push(3)
         assert metrics.full, "a member without pristine copies must get a full sync"
         assert_engines_equal(engines + late, reference_state(base, replay.peft_config, replay.state), what="after join")
-        assert ray.get(late[0].factor_state.remote())["ready"]
+        assert ray.get(late[0].factor_state.remote()).ready
     finally:
         sync.close()

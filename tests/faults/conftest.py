@@ -86,7 +86,7 @@ class Pool:
 
     def __init__(self, base, adapter):
         from actors.trainer import TrainerShard
-        from sync_service.local import start_engines
+        from actors.launch import start_engines
 
         self.base, self.adapter = base, adapter
         self.trainer_actors = [TrainerShard.remote(base_dir=str(base), adapter_dir=str(adapter)) for _ in range(2)]
@@ -94,7 +94,7 @@ class Pool:
         self._version = 0
 
     def trainers(self, ep: int) -> list:
-        from sync_service.local import start_trainers
+        from actors.launch import start_trainers
 
         return start_trainers(self.base, self.adapter, ep=ep, reuse=self.trainer_actors[:ep], timeout_s=600)
 
@@ -104,7 +104,7 @@ class Pool:
 
     def replace(self, actor) -> object:
         from actors.trainer import TrainerShard
-        from sync_service.local import start_engines
+        from actors.launch import start_engines
 
         ray.kill(actor, no_restart=True)
         if actor in self.trainer_actors:

@@ -39,8 +39,8 @@ class FaultyAdapter:
 
 def _set_adapter(actor, adapter) -> None:
     actor.engine = adapter
-    if actor._receiver is not None:
-        actor._receiver.adapter = adapter
+    for _, receiver, _ in actor._channels.values():
+        receiver.adapter = adapter
 
 
 def _plain_adapter(actor):
@@ -137,8 +137,9 @@ class TamperedTransport:
 
 
 def tamper_frames(actor, mode: str, seq: int = 1) -> None:
-    """Tamper with bucket ``seq`` of this trainer's next sync (see ``TamperedTransport``)."""
-    actor._sender.transport = TamperedTransport(actor._sender.transport, mode, seq)
+    """Tamper with bucket ``seq`` of this trainer's next sync on every open channel (see ``TamperedTransport``)."""
+    for sender, _ in actor._channels.values():
+        sender.transport = TamperedTransport(sender.transport, mode, seq)
 
 
 def pid(actor) -> int:

@@ -12,7 +12,7 @@ import ray
 from safetensors.torch import load_file, save_file
 
 from sync_service.api import PlanMismatchError, SyncConfig, SyncError, WeightSync
-from sync_service.local import start_engines
+from actors.launch import start_engines
 from tests.faults import inject
 from tests.faults.conftest import TIMEOUT_S, Replay, assert_equal_state, engine_state
 
@@ -108,7 +108,7 @@ def test_non_finite_merged_weights_refused_with_the_tensor_name(pool, synced):
     pair = sorted(k for k in factors if "layers.1" in k and "experts" in k and "base_layer" in k)
     assert len(pair) == 2, pair  # lora_A, lora_B of layers.1 experts gate_up_proj
     norm = "model.layers.0.post_attention_layernorm.weight"
-    owner = next(t for t in trainers if any(m[0] == norm for m in ray.get(t.owned_metas.remote(), timeout=30)))
+    owner = next(t for t in trainers if any(m.name == norm for m in ray.get(t.owned_metas.remote(), timeout=30)))
     base = ray.get(owner.local_base.remote(), timeout=30)
     sync.config.check_finite = True
     try:

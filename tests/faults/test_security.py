@@ -13,6 +13,7 @@ import pytest
 import ray
 import torch
 
+from protocols.endpoints import OpenChannel
 from protocols.wire import BucketHeader, ProtocolError, encode, seal
 from protocols.wire_check import decode
 from sync_service.api import SyncConfig, WeightSync
@@ -67,7 +68,8 @@ def test_rogue_sender_without_the_secret_gets_nothing_applied(pool, kind):
         before_here, before_engine = listening(os.getpid()), listening(engine_pid)
         host = spec_for(kind, plan.bucket_bytes)
         spec = host.spec
-        opening = engine.open_transport.remote(spec.to_bytes(), encode(plan), 0, secret=SECRET)
+        opening = engine.open_transport.remote(OpenChannel(owner="rogue", spec=spec.to_bytes(), plan=encode(plan),
+                                                           index=0, secret=SECRET))
         tx = open_sender(spec, 0)
         try:
             ray.get(opening, timeout=TIMEOUT_S * 3)
@@ -75,13 +77,13 @@ def test_rogue_sender_without_the_secret_gets_nothing_applied(pool, kind):
             assert all(ip == "127.0.0.1" for ip, _ in new), f"{kind} listens beyond loopback: {sorted(new)}"
             if kind == "torch_dist":
                 assert ("127.0.0.1", spec.port) in new
-            received = engine.receive.remote(TIMEOUT_S)
+            received = engine.receive.remote("rogue", TIMEOUT_S)
             version = 10_000 + attempt
             for header, payload in sealed(forge_frames(plan, source, f"rogue{attempt}", version), secret):
                 tx.send(header, payload, TIMEOUT_S)
             if expect_ok:
                 ray.get(received, timeout=TIMEOUT_S + 10)
-                ray.get(engine.commit.remote(version), timeout=30)
+                ray.get(engine.commit.remote("rogue", version), timeout=30)
                 assert ray.get(engine.weight_version.remote(), timeout=30) == version
                 assert_equal_state(engine, {n: t.numpy() for n, t in rogue_values.items()}, "sealed with the secret")
             else:
@@ -89,7 +91,7 @@ def test_rogue_sender_without_the_secret_gets_nothing_applied(pool, kind):
                     ray.get(received, timeout=TIMEOUT_S + 10)
                 assert_equal_state(engine, state, f"after a rogue sync ({'no mac' if secret is None else 'wrong secret'})")
         finally:
-            ray.get(engine.close_transport.remote(), timeout=30)
+            ray.get(engine.close_transport.remote("rogue"), timeout=30)
             tx.close()
             host.close()
 

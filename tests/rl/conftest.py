@@ -30,8 +30,8 @@ class DelayedApply:
 def _set_apply_delay(actor, delay_s: float) -> None:
     inner = actor.engine.inner if isinstance(actor.engine, DelayedApply) else actor.engine
     actor.engine = DelayedApply(inner, delay_s) if delay_s else inner
-    if actor._receiver is not None:
-        actor._receiver.adapter = actor.engine
+    for _, receiver, _ in actor._channels.values():
+        receiver.adapter = actor.engine
 
 
 def set_apply_delay(engine, delay_s: float) -> None:

@@ -13,7 +13,8 @@ import pytest
 import ray
 
 from sync_service.api import SyncConfig, WeightSync
-from sync_service.local import AdapterReplay, reference_state, start_engines, start_trainers
+from actors.launch import start_engines, start_trainers
+from sync_service.local import AdapterReplay, reference_state
 from sync_service.synthetic import make_adapter, make_base
 from tests.e2e.conftest import assert_engines_equal
 from tests.rl.conftest import set_apply_delay

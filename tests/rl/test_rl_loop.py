@@ -8,6 +8,7 @@ import json
 import pytest
 
 from sync_service.rl import RLConfig
+from actors.launch import RayLauncher
 from sync_service.rl.loop import run_rl, window_means
 from sync_service.rl.plot import save_reward_plot
 from sync_service.synthetic import make_adapter, make_base
@@ -25,7 +26,7 @@ def demo_files(tmp_path_factory):
 
 def test_reward_rises_with_sync_and_stays_flat_without(ray_local, demo_files, tmp_path):
     config = RLConfig(steps=16, window=4, seed=0, max_staleness=1, max_in_flight=1)
-    result = run_rl(*demo_files, config, vocab_size=DEMO_MODEL["vocab_size"])
+    result = run_rl(*demo_files, config, vocab_size=DEMO_MODEL["vocab_size"], launcher=RayLauncher())
     s0, s1 = window_means(result.synced.rewards, config.window)
     c0, c1 = window_means(result.control.rewards, config.window)
     assert s1 - s0 >= 0.15 and s1 >= c1 + 0.15, (result.synced.rewards, result.control.rewards)

@@ -29,7 +29,7 @@ def test_two_ep_trainers_to_one_vllm_engine_two_versions(tmp_path: Path) -> None
     from sync_service.api import SyncConfig, WeightSync
     from sync_service.demo_vllm import merged_versions
     from sync_service.vllm_oracle import fresh_tokens
-    from sync_service.local import start_engines, start_trainers
+    from actors.launch import start_engines, start_trainers
     from sync_service.synthetic import make_adapter, make_base
 
     base = make_base("qwen3_moe", tmp_path / "base", hidden=64, intermediate=32, num_experts=4, vocab_size=128, scale=0.1)
@@ -45,7 +45,7 @@ def test_two_ep_trainers_to_one_vllm_engine_two_versions(tmp_path: Path) -> None
     try:
         trainers = start_trainers(base, adapter, ep=2, tp=1)
         (engine,) = start_engines(base, 1, engine="vllm", timeout_s=600, prefix="vllm")  # with VLLM_ENV
-        table = {m[0]: m[2] for m in ray.get(engine.param_metas.remote(), timeout=60)}
+        table = {m.name: list(m.shape) for m in ray.get(engine.param_metas.remote(), timeout=60)}
         assert list(table["model.layers.0.mlp.experts.gate_up_proj"]) == [4, 64, 64]  # hf-fused [E, 2I, H]
         assert not any(".experts.0." in n for n in table)
         before = [ray.get(engine.generate.remote(list(p), MAX_NEW_TOKENS), timeout=120) for p in PROMPTS]

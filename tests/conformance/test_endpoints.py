@@ -1,0 +1,130 @@
+"""Endpoint conformance: the actor classes answer every call of ``protocols.endpoints`` with the
+declared parameters, and real actors return the declared report types with values that match what
+moved (one real sync, driven call by call as the coordinator drives it)."""
+
+from __future__ import annotations
+
+import inspect
+import uuid
+
+import pytest
+
+from actors.rollout import RolloutEngineCore
+from actors.trainer import TrainerShardCore
+from protocols.endpoints import (
+    EndpointError, ExportReport, FactorCost, FactorStateReport, FactorTrainerEndpoint, OpenChannel, ReceiveReport,
+    RolloutEndpoint, SendReport, SendRequest, SnapshotReport, TrainerEndpoint,
+)
+from protocols.params import ParamMeta
+from protocols.recipe import Recipe
+from protocols.wire import encode
+
+ray = pytest.importorskip("ray")
+
+IMPLEMENTATIONS = [(TrainerShardCore, TrainerEndpoint), (TrainerShardCore, FactorTrainerEndpoint),
+                   (RolloutEngineCore, RolloutEndpoint)]
+
+
+def _calls(protocol) -> list[str]:
+    return sorted(n for n, v in vars(protocol).items() if inspect.isfunction(v) and not n.startswith("_"))
+
+
+@pytest.mark.parametrize(("impl", "protocol"), IMPLEMENTATIONS, ids=lambda x: x.__name__)
+def test_every_declared_call_is_answered_with_the_declared_parameters(impl, protocol):
+    assert issubclass(impl, protocol)
+    for name in _calls(protocol) + (_calls(TrainerEndpoint) if protocol is FactorTrainerEndpoint else []):
+        want = [p for p in inspect.signature(getattr(protocol, name)).parameters if p != "self"]
+        got = [p for p in inspect.signature(getattr(impl, name)).parameters if p != "self"]
+        assert got[:len(want)] == want, f"{impl.__name__}.{name}{got} does not take {protocol.__name__}'s {want}"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    from sync_service.synthetic import make_adapter, make_base
+
+    root = tmp_path_factory.mktemp("endpoints")
+    base = make_base("qwen3_moe", root / "base", num_experts=4, num_layers=1)
+    return base, make_adapter("qwen3_moe", base, root / "lora", kind="target_parameters", r=2)
+
+
+def test_actor_reports_are_the_declared_types(ray_local, files):
+    """One sync of version 1 from one trainer to one engine, call by call; then a peer copy."""
+    from actors.launch import start_engines, start_trainers
+    from sync_service.coordinator import build_sync_plan
+    from sync_service.transports import TransportSpec
+
+    base, adapter = files
+    (trainer,) = start_trainers(base, adapter)
+    engine, joiner = start_engines(base, 2, prefix="conf")  # transformers engines (they can export)
+    try:
+        owned = ray.get(trainer.owned_metas.remote(), timeout=60)
+        table = ray.get(engine.param_metas.remote(), timeout=60)
+        assert owned and all(type(m) is ParamMeta for m in (*owned, *table))
+        assert ray.get(engine.engine_name.remote(), timeout=60) == "conf0"
+        assert ray.get(engine.weight_version.remote(), timeout=60) is None
+        plan = build_sync_plan([list(owned)], bucket_bytes=1 << 20)
+        spec = TransportSpec(kind="shm", name="ep" + uuid.uuid4().hex[:8], num_senders=1, num_receivers=1,
+                             bucket_bytes=plan.bucket_bytes, connect_timeout_s=60, op_timeout_s=60)
+        owner = "conformance"
+        opened = [a.open_transport.remote(OpenChannel(owner=owner, spec=spec.to_bytes(), plan=encode(plan), index=0))
+                  for a in (trainer, engine)]
+        assert ray.get(opened, timeout=120) == [None, None]
+        snap = ray.get(trainer.snapshot.remote(1), timeout=60)
+        assert type(snap) is SnapshotReport and snap.version == 1
+        received = engine.receive.remote(owner, 60.0)
+        sent = ray.get(trainer.send.remote(SendRequest(owner=owner, session="s1", version=1, names=None,
+                                                       timeout_s=60.0)), timeout=120)
+        got = ray.get(received, timeout=60)
+        assert type(sent) is SendReport and type(got) is ReceiveReport
+        assert (got.engine, got.version, got.payload_bytes, got.buckets) == ("conf0", 1, sent.payload_bytes, sent.buckets)
+        values = sum(e.nbytes for e in plan.entries)  # + at most 63 bytes of alignment per entry
+        assert sent.entries == len(plan.entries) and values <= sent.payload_bytes < values + 64 * len(plan.entries)
+        ray.get(engine.commit.remote(owner, 1), timeout=60)
+        assert ray.get(engine.weight_version.remote(), timeout=60) == 1
+        _check_factor_calls(trainer, [m.name for m in owned])
+        assert type(ray.get(engine.factor_state.remote(), timeout=60)) is FactorStateReport
+        _check_export(engine, joiner, table)
+        ray.get([a.close_transport.remote(owner) for a in (trainer, engine)], timeout=60)
+        with pytest.raises(RuntimeError, match="receive before open_transport"):
+            ray.get(engine.receive.remote(owner, 1.0), timeout=60)
+    finally:
+        for a in (trainer, engine, joiner):
+            ray.kill(a)
+
+
+def _check_factor_calls(trainer, names: list[str]) -> None:
+    costs = ray.get(trainer.factor_costs.remote(), timeout=60)
+    assert costs and all(type(c) is FactorCost and c.name in names for c in costs)
+    eligible = sorted(c.name for c in costs if not c.why_not)
+    recipes = ray.get(trainer.factor_recipes.remote(eligible, 2, 1 << 20), timeout=60)
+    assert recipes and all(isinstance(r, Recipe) for r in recipes)
+
+
+def _check_export(engine, joiner, table) -> None:
+    from protocols.endpoints import ExportRequest
+    from sync_service.coordinator.join import peer_plan
+    from sync_service.transports import TransportSpec
+
+    assert ray.get(engine.can_export.remote(), timeout=60) is True
+    plan = peer_plan(table, bucket_bytes=1 << 20)
+    spec = TransportSpec(kind="shm", name="ex" + uuid.uuid4().hex[:8], num_senders=1, num_receivers=1,
+                         bucket_bytes=plan.bucket_bytes, connect_timeout_s=60, op_timeout_s=60)
+    opened = joiner.open_transport.remote(OpenChannel(owner="join", spec=spec.to_bytes(), plan=encode(plan), index=0))
+    sent = engine.send_weights.remote(ExportRequest(spec=spec.to_bytes(), plan=encode(plan), session="j1", version=1,
+                                                    timeout_s=60.0))  # creates the channel the joiner attaches to
+    ray.get(opened, timeout=120)
+    received = joiner.receive.remote("join", 60.0)
+    report = ray.get(sent, timeout=120)
+    assert type(report) is ExportReport and report.payload_bytes == ray.get(received, timeout=60).payload_bytes
+    ray.get(joiner.commit.remote("join", 1), timeout=60)
+    assert ray.get(joiner.weight_version.remote(), timeout=60) == 1
+    ray.get(joiner.close_transport.remote("join"), timeout=60)
+
+
+def test_endpoint_errors_are_one_line_and_name_the_endpoint():
+    err = EndpointError("engine e0", "receive", "ProtocolError", "header.mac: missing or wrong HMAC")
+    assert str(err) == "engine e0: receive failed: ProtocolError: header.mac: missing or wrong HMAC"
+    import pickle
+
+    again = pickle.loads(pickle.dumps(err))
+    assert (type(again), str(again)) == (EndpointError, str(err))
