@@ -2,8 +2,10 @@
 
     sync = WeightSync(trainers=shards, engines=[VLLMServer("http://127.0.0.1:8000", api_key=KEY)])
 
-The actor holds a ``VLLMServerEngine`` (HTTP calls to the server) and answers the coordinator the
-way ``RolloutEngine`` does; the weights go from the trainers straight into the server's worker.
+The actor holds a ``VLLMServerEngine`` (HTTP calls to the server) and answers the coordinator's
+``protocols.endpoints.RolloutEndpoint`` calls; the weights go from the trainers straight into the
+server's worker. The server has one weight-transfer channel: opening it for another owner (a second
+coordinator) replaces the first one's.
 If the server is gone (unreachable) during ``receive``, the actor exits, so the coordinator sees a
 dead engine: it drops it and commits the push on the other engines (``SyncMetrics`` names it).
 """
@@ -12,6 +14,8 @@ from __future__ import annotations
 
 import ray
 
+from protocols.endpoints import OpenChannel, ReceiveReport
+from protocols.params import ParamMeta
 from sync_service.engines.vllm_server import ServerUnreachableError, VLLMServerConfig, VLLMServerEngine
 
 __all__ = ["VLLMServer", "VLLMServerActor"]
@@ -23,12 +27,13 @@ class VLLMServerActor:
 
     def __init__(self, config: VLLMServerConfig) -> None:
         self.engine = VLLMServerEngine(config)
+        self._owner: str | None = None  # whose channel the server's transfer engine holds
 
     def engine_name(self) -> str:
         return self.engine.engine_name()
 
-    def param_metas(self) -> list[list]:
-        return self.engine.param_metas()
+    def param_metas(self) -> tuple[ParamMeta, ...]:
+        return tuple(ParamMeta(name=n, dtype=d, shape=tuple(s)) for n, d, s, _ in self.engine.param_metas())
 
     def weight_version(self) -> int | None:
         return self.engine.weight_version()
@@ -36,26 +41,32 @@ class VLLMServerActor:
     def can_export(self) -> bool:
         return False
 
-    def open_transport(self, spec_bytes: bytes, plan_bytes: bytes, receiver: int, *, secret: bytes | None = None) -> None:
-        self.engine.open_transport(spec_bytes, plan_bytes, receiver, secret=secret)
+    def open_transport(self, request: OpenChannel) -> None:
+        self.engine.open_transport(request.spec, request.plan, request.index, secret=request.secret)
+        self._owner = request.owner
 
-    def close_transport(self) -> None:
+    def close_transport(self, owner: str | None = None) -> None:
+        if owner is not None and owner != self._owner:
+            return  # another owner's channel was replaced already
+        self._owner = None
         try:
             self.engine.close_transport()
         except ServerUnreachableError:
             pass  # nothing to close on a server that is gone
 
-    def receive(self, timeout_s: float) -> dict:
+    def receive(self, owner: str, timeout_s: float) -> ReceiveReport:
+        if owner != self._owner:
+            raise RuntimeError(f"{self.engine.engine_name()}: receive before open_transport (channel {owner!r})")
         try:
-            return self.engine.receive(timeout_s)
+            return ReceiveReport(**self.engine.receive(timeout_s))
         except ServerUnreachableError:
             ray.actor.exit_actor()  # the coordinator sees this engine dead and goes on without it
             raise
 
-    def commit(self, version: int) -> None:
+    def commit(self, owner: str, version: int) -> None:
         self.engine.commit(version)
 
-    def abort(self) -> None:
+    def abort(self, owner: str) -> None:
         self.engine.abort()
 
     def reset_caches(self) -> None:

@@ -1,5 +1,5 @@
 """What a push streams: merged tensors (``MergedMode``) or LoRA factors where they pay
-(``sync_service.factors.coordination.FactorCoordination``, ``SyncConfig.mode`` "factors" / "auto").
+(``sync_service.factor_stream.coordination.FactorCoordination``, ``SyncConfig.mode`` "factors" / "auto").
 The coordinator is given one ``SyncMode`` (``WeightSync`` picks it) and never branches on the mode.
 
 A mode builds the plan from the trainers' owned boxes, validates it against an engine's table,

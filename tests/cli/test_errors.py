@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from actors.launch import RayLauncher
 from sync_service.cli import EXIT_BAD_INPUT, EXIT_FAILED, describe, main, one_line
 from sync_service.coordinator.metrics import SyncError
 from sync_service.merge.errors import MergeError
@@ -51,11 +52,11 @@ def test_unexpected_error_is_one_line_and_traceback_flag_reraises(monkeypatch, c
         raise RuntimeError("first\nsecond")
 
     monkeypatch.setattr(sync_cli, "run", boom)
-    assert main(["sync", "--base", "b"]) == EXIT_FAILED
+    assert main(["sync", "--base", "b"], launcher=RayLauncher()) == EXIT_FAILED
     err = capsys.readouterr().err
     assert err.startswith("weightsync sync: error: RuntimeError: first; second") and err.count("\n") == 1, err
     with pytest.raises(RuntimeError):
-        main(["--traceback", "sync", "--base", "b"])
+        main(["--traceback", "sync", "--base", "b"], launcher=RayLauncher())
 
 
 def test_one_line_drops_worker_prefixes_and_keeps_the_end_of_a_long_message():

@@ -16,7 +16,7 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from sync_service.api import SyncConfig, SyncError, WeightSync
-from sync_service.local import start_engines, start_trainers
+from actors.launch import start_engines, start_trainers
 from sync_service.telemetry import STAGES
 from tests.faults import inject
 

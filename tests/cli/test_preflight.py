@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from sync_service.cli import build_parser, main
+from actors.cli import main
+from sync_service.cli import build_parser
 from sync_service.synthetic import make_adapter, make_base, make_non_lora_adapter
 
 EXPERTS = "base_model.model.model.layers.1.mlp.experts"

@@ -202,7 +202,7 @@ def test_segment_unlinked_once_attached_then_ray_shutdown_leaves_nothing(pool, m
         ray.init(num_cpus=2, include_dashboard=False, _temp_dir={ray_dir!r}, log_to_driver=False,
                  runtime_env={{"env_vars": {{"PYTHONPATH": {ROOT!r}, "OMP_NUM_THREADS": "1"}}}})
         from sync_service.api import SyncConfig, WeightSync
-        from sync_service.local import start_engines, start_trainers
+        from actors.launch import start_engines, start_trainers
         from tests.faults import inject
         from tests.faults.test_transport_resources import segments_of
         trainers = start_trainers({str(base)!r}, {str(adapter)!r}, ep=2, timeout_s=300)

@@ -16,7 +16,7 @@ CONFIG_KW = dict(transport="shm", bucket_bytes=16 << 10, timeout_s=120)
 
 @pytest.fixture(scope="module")
 def engines(ray_local, bases):
-    from sync_service.local import start_engines
+    from actors.launch import start_engines
 
     return {f: start_engines(b, 2, prefix=f) for f, b in bases.items()}
 
