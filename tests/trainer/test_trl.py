@@ -50,7 +50,7 @@ class TRLRank:
 
 
 def test_grpo_trainer_pushes_every_optimizer_step(ray_local, bases, tmp_path):
-    from sync_service.local import start_engines
+    from actors.launch import start_engines
 
     family = "qwen3_moe"
     engines = start_engines(bases[family], 1, prefix="trl")
