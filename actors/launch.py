@@ -87,7 +87,8 @@ def _per_actor(actor_options: Mapping | Sequence[Mapping] | None, count: int) ->
     if actor_options is None or isinstance(actor_options, Mapping):
         return [dict(actor_options or {}) for _ in range(count)]
     if len(actor_options) != count:
-        raise ValueError(f"actor_options: {len(actor_options)} entries for {count} actors; give one per actor or one mapping")
+        raise ValueError(f"actor_options: {len(actor_options)} entries for {count} actors; "
+                         f"give one per actor or one mapping")
     return [dict(o) for o in actor_options]
 
 

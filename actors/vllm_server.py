@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import ray
 
-from protocols.endpoints import OpenChannel, ReceiveReport
+from protocols.endpoints import ExportReport, ExportRequest, OpenChannel, ReceiveReport
 from protocols.params import ParamMeta
 from sync_service.engines.vllm_server import ServerUnreachableError, VLLMServerConfig, VLLMServerEngine
 
-__all__ = ["VLLMServer", "VLLMServerActor"]
+__all__ = ["VLLMServer", "VLLMServerActor", "VLLMServerActorCore"]
 
 
-@ray.remote(num_cpus=0, max_concurrency=4)
-class VLLMServerActor:
+class VLLMServerActorCore:
     """``VLLMServerEngine`` behind the ``RolloutEngine`` calls (threaded: liveness checks answer during a push)."""
 
     def __init__(self, config: VLLMServerConfig) -> None:
@@ -40,6 +39,10 @@ class VLLMServerActor:
 
     def can_export(self) -> bool:
         return False
+
+    def send_weights(self, request: ExportRequest) -> ExportReport:
+        """Never: a server's weights are not exported (a late joiner copies from an engine that can)."""
+        raise RuntimeError(f"{self.engine.engine_name()}: a vLLM server cannot export its weights (can_export is False)")
 
     def open_transport(self, request: OpenChannel) -> None:
         self.engine.open_transport(request.spec, request.plan, request.index, secret=request.secret)
@@ -78,6 +81,10 @@ class VLLMServerActor:
     def complete(self, prompts: list[list[int]], max_new_tokens: int) -> list[dict]:
         """Greedy completions: ``{"tokens", "logprobs"}`` per prompt."""
         return [{"tokens": g.tokens, "logprobs": g.logprobs} for g in self.engine.complete(prompts, max_new_tokens)]
+
+
+VLLMServerActor = ray.remote(num_cpus=0, max_concurrency=4)(VLLMServerActorCore)
+"""The Ray actor class (threaded: liveness checks answer during a push)."""
 
 
 def VLLMServer(url: str, *, api_key: str | None = None, name: str | None = None, pause_mode: str = "wait",

@@ -43,8 +43,8 @@ from protocols.recipe import Recipe
 
 __all__ = [
     "EndpointDiedError", "EndpointError", "EndpointTimeoutError", "ExportReport", "ExportRequest", "FactorCost",
-    "FactorStateReport", "FactorTrainerEndpoint", "Launcher", "OpenChannel", "ReceiveReport", "RolloutEndpoint", "SendReport",
-    "SendRequest", "SnapshotReport", "TrainerEndpoint", "clean_error_text",
+    "FactorStateReport", "FactorTrainerEndpoint", "Launcher", "OpenChannel", "ReceiveReport", "RolloutEndpoint",
+    "SendReport", "SendRequest", "SnapshotReport", "TrainerEndpoint", "clean_error_text",
 ]
 
 
@@ -366,4 +366,5 @@ class EndpointDiedError(EndpointError):
 
 
 class EndpointTimeoutError(EndpointError, TimeoutError):
-    """The endpoint did not answer within the coordinator's bound."""
+    """The endpoint did not answer within the coordinator's bound, or timed out itself (e.g. its
+    peers did not connect within ``connect_timeout_s``)."""

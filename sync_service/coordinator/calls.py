@@ -3,7 +3,8 @@
 Ray wraps an actor's exception in ``RayTaskError`` (a traceback with colour codes) and a dead
 actor in ``RayActorError``; the coordinator's callers see neither: ``endpoint_error`` turns each
 into an ``EndpointError`` naming the endpoint, the call and the cause in one line
-(``EndpointDiedError`` when the actor is gone, ``EndpointTimeoutError`` when it did not answer).
+(``EndpointDiedError`` when the actor is gone, ``EndpointTimeoutError`` — also a ``TimeoutError`` —
+when it did not answer in time or raised a ``TimeoutError`` itself).
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ def endpoint_error(endpoint: str, call: str, exc: BaseException) -> EndpointErro
         if isinstance(cause, EndpointError):
             return cause
         text = str(cause) if cause is not None else str(exc)
-        return EndpointError(endpoint, call, type(cause).__name__ if cause is not None else exc.function_name,
-                             clean_error_text(text) or type(cause).__name__)
+        kind = EndpointTimeoutError if isinstance(cause, TimeoutError) else EndpointError
+        return kind(endpoint, call, type(cause).__name__ if cause is not None else exc.function_name,
+                    clean_error_text(text) or type(cause).__name__)
     if isinstance(exc, RayActorError):
-        return EndpointDiedError(endpoint, call, type(exc).__name__, "the actor died (killed, crashed or out of memory)")
+        return EndpointDiedError(endpoint, call, type(exc).__name__,
+                                 "the actor died (killed, crashed or out of memory)")
     if isinstance(exc, (GetTimeoutError, TimeoutError)):
         return EndpointTimeoutError(endpoint, call, "TimeoutError", clean_error_text(str(exc)) or "no answer")
     return EndpointError(endpoint, call, type(exc).__name__, clean_error_text(str(exc)) or type(exc).__name__)

@@ -32,7 +32,8 @@ class Channel:
         self.open_now = False
         self._host: ChannelHost | None = None
 
-    def open(self, trainers: Sequence, trainer_names: Sequence[str], engines: Sequence, engine_names: Sequence[str]) -> None:
+    def open(self, trainers: Sequence, trainer_names: Sequence[str], engines: Sequence,
+             engine_names: Sequence[str]) -> None:
         """Open (again) for these members; blocks until every side connected.
 
         Raises:

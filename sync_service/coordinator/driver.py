@@ -118,8 +118,8 @@ class Coordinator:
             if self.members.departed_handle(engine):
                 return
             raise ValueError("remove_engine: that engine is not a member of this WeightSync")
-        settle([engine.close_transport.remote(self._channel.owner)], [self.members.names[i]], "close_transport",
-               CLOSE_TIMEOUT_S)
+        settle([engine.close_transport.remote(self._channel.owner)], [f"engine {self.members.names[i]}"],
+               "close_transport", CLOSE_TIMEOUT_S)
         self.members.drop([i], "removed")
 
     def engine_versions(self) -> dict[str, int | None]:
@@ -127,7 +127,8 @@ class Coordinator:
         left out (the next push drops it from the membership)."""
         refs = [e.weight_version.remote() for e in self.members.handles]
         names = list(self.members.names)
-        results, errors = settle(refs, names, "weight_version", self.config.timeout_s + GRACE_S)
+        results, errors = settle(refs, [f"engine {n}" for n in names], "weight_version",
+                                 self.config.timeout_s + GRACE_S)
         return {n: v for n, v, err in zip(names, results, errors) if err is None}
 
     # -- syncs -----------------------------------------------------------------------------
@@ -185,7 +186,8 @@ class Coordinator:
         return Transfer(channel=self._channel, trainers=self.trainers, trainer_names=self.trainer_names,
                         engines=self.members.handles, engine_names=self.members.names, timeout_s=self.config.timeout_s)
 
-    def _commit(self, run: Transfer, prepared: Prepared, version: int, full: bool, lost: list, t0: float) -> SyncMetrics:
+    def _commit(self, run: Transfer, prepared: Prepared, version: int, full: bool, lost: list,
+                t0: float) -> SyncMetrics:
         errors, commit_s = run.commit(version)  # an engine that fails here serves its previous version
         committed = [n for n, e in zip(run.engine_names, errors) if e is None]
         self.members.committed(version, committed)
@@ -242,7 +244,8 @@ class Coordinator:
             self._open()
 
     def _open(self) -> None:
-        self._channel.open(self.trainers, self.trainer_names, self.members.handles, self.members.names)
+        self._channel.open(self.trainers, self.trainer_names, self.members.handles,
+                           [f"engine {n}" for n in self.members.names])
         self.members.changed = False
 
     def _validate(self, engine) -> tuple[str, list]:

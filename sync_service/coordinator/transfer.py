@@ -66,13 +66,14 @@ class Transfer:
                  engine_names: Sequence[str], timeout_s: float) -> None:
         self.channel, self.trainers, self.trainer_names = channel, list(trainers), list(trainer_names)
         self.engines, self.engine_names, self.timeout_s = list(engines), list(engine_names), timeout_s
+        self.engine_labels = [f"engine {n}" for n in self.engine_names]  # how errors name them
 
     def prepare(self, request: SendRequest) -> Prepared:
         """Phase 1; returns when every participant answered (at once after the first failure)."""
         owner = self.channel.owner
         refs = [e.receive.remote(owner, self.timeout_s) for e in self.engines]
         refs += [t.send.remote(request) for t in self.trainers]
-        names = self.engine_names + self.trainer_names
+        names = self.engine_labels + self.trainer_names
         calls = ["receive"] * len(self.engines) + ["send"] * len(self.trainers)
         results, errors = self._watch(refs, names, calls)
         n = len(self.engines)
@@ -104,12 +105,12 @@ class Transfer:
     def commit(self, version: int) -> tuple[list[EndpointError | None], float]:
         """Phase 2 on every engine; per engine its error (``None``: committed) and the round's seconds."""
         t0 = time.perf_counter()
-        _, errors = settle([e.commit.remote(self.channel.owner, version) for e in self.engines], self.engine_names,
+        _, errors = settle([e.commit.remote(self.channel.owner, version) for e in self.engines], self.engine_labels,
                            "commit", self.timeout_s + GRACE_S)
         return errors, time.perf_counter() - t0
 
     def abort(self, skip: Sequence[int] = ()) -> None:
         """Every engine but ``skip`` (dead ones) drops what it staged. Best effort, bounded."""
         live = [i for i in range(len(self.engines)) if i not in skip]
-        settle([self.engines[i].abort.remote(self.channel.owner) for i in live], [self.engine_names[i] for i in live],
+        settle([self.engines[i].abort.remote(self.channel.owner) for i in live], [self.engine_labels[i] for i in live],
                "abort", self.timeout_s + GRACE_S)

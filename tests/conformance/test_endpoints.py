@@ -1,6 +1,7 @@
-"""Endpoint conformance: the actor classes answer every call of ``protocols.endpoints`` with the
-declared parameters, and real actors return the declared report types with values that match what
-moved (one real sync, driven call by call as the coordinator drives it)."""
+"""Endpoint conformance: every endpoint implementation (the ``TrainerShard`` and ``RolloutEngine``
+actors, a live training rank's endpoint, the vLLM-server actor) answers every call of
+``protocols.endpoints`` with the declared parameters; real actors return the declared report types,
+with values that match what moved (one real sync, driven call by call as the coordinator does)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import inspect
 import uuid
 
 import pytest
+import ray
 
 from actors.rollout import RolloutEngineCore
 from actors.trainer import TrainerShardCore
+from actors.vllm_server import VLLMServerActorCore
 from protocols.endpoints import (
     EndpointError, ExportReport, FactorCost, FactorStateReport, FactorTrainerEndpoint, OpenChannel, ReceiveReport,
     RolloutEndpoint, SendReport, SendRequest, SnapshotReport, TrainerEndpoint,
@@ -18,11 +21,12 @@ from protocols.endpoints import (
 from protocols.params import ParamMeta
 from protocols.recipe import Recipe
 from protocols.wire import encode
+from sync_service.live.endpoint import TrainerEndpoint as LiveTrainerEndpoint
 
-ray = pytest.importorskip("ray")
 
 IMPLEMENTATIONS = [(TrainerShardCore, TrainerEndpoint), (TrainerShardCore, FactorTrainerEndpoint),
-                   (RolloutEngineCore, RolloutEndpoint)]
+                   (LiveTrainerEndpoint, TrainerEndpoint), (RolloutEngineCore, RolloutEndpoint),
+                   (VLLMServerActorCore, RolloutEndpoint)]
 
 
 def _calls(protocol) -> list[str]:

@@ -142,6 +142,16 @@ def tamper_frames(actor, mode: str, seq: int = 1) -> None:
         sender.transport = TamperedTransport(sender.transport, mode, seq)
 
 
+def delay_receiver_open(actor, delay_s: float) -> None:
+    """Every ``open_receiver`` of this engine process sleeps ``delay_s`` first (0: restored), so the
+    channel's connect window runs out before it attaches."""
+    import sync_service.transports as transports
+
+    original = transports.__dict__.setdefault("_undelayed_open_receiver", transports.open_receiver)
+    transports.open_receiver = original if not delay_s else (
+        lambda *args, **kw: (time.sleep(delay_s), original(*args, **kw))[1])
+
+
 def pid(actor) -> int:
     return os.getpid()
 

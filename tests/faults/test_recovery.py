@@ -10,13 +10,13 @@ import time
 
 import numpy as np
 import pytest
+import ray
 
-from protocols.endpoints import EndpointDiedError, EndpointError
+from protocols.endpoints import EndpointDiedError, EndpointTimeoutError
 from sync_service.api import SyncConfig, SyncError, WeightSync
 from tests.faults import inject
 from tests.faults.conftest import Replay, assert_equal_state, engine_state
 
-ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.faults
 
 TIMEOUT_S = 40.0
@@ -99,12 +99,18 @@ def test_failed_or_second_weightsync_never_breaks_the_first(pool):
     first = WeightSync(trainers=trainers, engines=engines, config=config())
     try:
         first.push(pool.next_version())
+        ray.get([e.__ray_call__.remote(inject.delay_receiver_open, 2.0) for e in engines], timeout=30)
+        try:
+            with pytest.raises(EndpointTimeoutError) as err:  # the engines attach after the 1 ms connect window
+                WeightSync(trainers=trainers, engines=engines, config=config(timeout_s=0.001))
+        finally:
+            ray.get([e.__ray_call__.remote(inject.delay_receiver_open, 0) for e in engines], timeout=30)
+        text = str(err.value)
+        assert text.startswith("engine ") and "open_transport failed: TimeoutError: shm segment" in text, text
         dead = pool.engines[2]
         ray.kill(dead, no_restart=True)
-        with pytest.raises(EndpointDiedError) as err:
-            WeightSync(trainers=trainers, engines=[*engines, dead], config=config(timeout_s=0.001))
-        text = str(err.value)
-        assert "param_metas failed: ActorDiedError" in text, text
+        with pytest.raises(EndpointDiedError, match="param_metas failed: ActorDiedError"):
+            WeightSync(trainers=trainers, engines=[*engines, dead], config=config())
         assert "\x1b[" not in text and "Traceback" not in text and "\n" not in text, text
         second = WeightSync(trainers=trainers, engines=engines, config=config())
         second.push(pool.next_version())
