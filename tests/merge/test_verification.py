@@ -80,7 +80,8 @@ def test_sync_verified_against_peft_and_untying_adapter_refused(ray_local, tmp_p
     import ray
 
     from sync_service.api import SyncConfig, WeightSync
-    from sync_service.local import AdapterReplay, start_engines, start_trainers
+    from actors.launch import start_engines, start_trainers
+    from sync_service.local import AdapterReplay
     from sync_service.sync_cli import RunConfig, verify_version
 
     base = make_base("qwen3_moe", tmp_path / "base", num_experts=4)

@@ -137,7 +137,7 @@ def test_server_receives_three_versions_and_bad_input(tmp_path: Path, ray_local)
     from sync_service.api import PlanMismatchError, SyncConfig, WeightSync
     from sync_service.engines.vllm_server import ServerUnreachableError
     from sync_service.engines.vllm_server.launch import LocalServer, free_port
-    from sync_service.local import start_engines, start_trainers
+    from actors.launch import start_engines, start_trainers
     from sync_service.synthetic import make_adapter, make_base
 
     base = Path(make_base("qwen3_moe", tmp_path / "base", dtype=DTYPE, hidden=64, intermediate=32, num_experts=4,
