@@ -54,7 +54,7 @@ def reference_state(base_dir: str | Path, peft_config, adapter_state: Mapping[st
     from sync_service.merge.base import SafetensorsBase
     from sync_service.merge.source import MergeConfig, MergedSource
 
-    base = SafetensorsBase(base_dir)
+    base = SafetensorsBase(base_dir, as_loaded=True)
     adapter = None if adapter_state is None else adapter_from_state_dict(
         peft_config, dict(adapter_state), base.layout, base.metas(), tied_aliases=base.tied_aliases)
     source = MergedSource(base, adapter, config=MergeConfig())

@@ -1,9 +1,11 @@
 """The embedded default rollout engine: a transformers causal LM on CPU, updated by staged apply.
 
 Parameter table: the model's ``named_parameters()`` in the transformers v5 in-memory
-("hf-fused") naming — e.g. ``model.layers.0.mlp.experts.gate_up_proj`` [E, 2I, H]. Tied weights
-(``lm_head.weight`` tied to ``model.embed_tokens.weight``) are reported once, under the name
-``named_parameters`` keeps.
+("hf-fused") naming — e.g. ``model.layers.0.mlp.experts.gate_up_proj`` [E, 2I, H] — plus its
+persistent buffers (in ``state_dict``, loaded from the checkpoint: DeepSeek's
+``mlp.gate.e_score_correction_bias``), so a full sync carries everything the checkpoint holds; a delta
+sends only what the adapter changes, never a buffer. Tied weights (``lm_head.weight`` tied to
+``model.embed_tokens.weight``) are reported once, under the name ``named_parameters`` keeps.
 
 Staged apply: ``begin_update(version, names)`` takes one staging buffer per name being updated;
 ``apply`` copies received boxes into staging only; ``finish_update`` checks every staged name was
@@ -72,7 +74,9 @@ def load_causal_lm(path: str | Path, *, dtype: torch.dtype | None = None) -> tor
     Raises:
         FileNotFoundError: ``path`` does not exist, or holds no ``*.safetensors`` weights.
     """
-    from transformers import AutoModelForCausalLM
+    import json
+
+    import transformers
 
     path = Path(path)
     if not path.is_dir():
@@ -81,7 +85,11 @@ def load_causal_lm(path: str | Path, *, dtype: torch.dtype | None = None) -> tor
         raise FileNotFoundError(f"model directory {str(path)!r} has no *.safetensors weights (pickled .bin weights "
                                 f"are never loaded); re-save it with save_pretrained(..., safe_serialization=True)")
     kwargs = {} if dtype is None else {"dtype": dtype}
-    return AutoModelForCausalLM.from_pretrained(str(path), use_safetensors=True, **kwargs).train(False)
+    # the class the checkpoint names (a vision-language MoE is no AutoModelForCausalLM), else the causal-LM auto class
+    config = path / "config.json"
+    archs = (json.loads(config.read_text()).get("architectures") or []) if config.is_file() else []
+    cls = next((getattr(transformers, a) for a in archs if hasattr(transformers, a)), transformers.AutoModelForCausalLM)
+    return cls.from_pretrained(str(path), use_safetensors=True, **kwargs).train(False)
 
 
 class HFEngine:
@@ -95,7 +103,10 @@ class HFEngine:
     def __init__(self, model: torch.nn.Module, *, config: HFEngineConfig | None = None) -> None:
         self._model = model.train(False)  # inference mode (dropout off)
         self._config = config or HFEngineConfig()
-        self._params: dict[str, torch.nn.Parameter] = dict(model.named_parameters())
+        self._params: dict[str, torch.Tensor] = dict(model.named_parameters())
+        params = set(self._params)
+        self._params.update((n, b) for n, b in model.state_dict(keep_vars=True).items()
+                            if n not in params and not any(b is p for p in self._params.values()))
         self._metas = tuple(
             ParamMeta(name=n, dtype=wire_dtype(p.dtype), shape=tuple(p.shape)) for n, p in self._params.items()
         )

@@ -24,7 +24,7 @@ from protocols.params import Box, ParamMeta, box_shape, full_box
 from sync_service.dtypes import SAFETENSORS_DTYPES, torch_dtype, wire_dtype
 from sync_service.merge.errors import MergeError
 from sync_service.merge.inputs import read_json_object, read_safetensors
-from sync_service.merge.derive import layout_for, memory_shapes
+from sync_service.merge.derive import kept_in_fp32, layout_for, memory_shapes
 from sync_service.merge.layouts import FamilyLayout
 from sync_service.merge.targets import Piece, experts_match, target_pieces
 
@@ -115,13 +115,15 @@ class SafetensorsBase:
     Maps any on-disk naming the family table knows: per-expert keys (``…experts.N.gate_proj.weight``,
     Mixtral ``block_sparse_moe.experts.N.w1``) are assembled into fused tensors, fused keys are
     taken as they are, a VL prefix (``model.language_model.``) is kept. Reads only the bytes of the
-    requested box. Memory: one open handle per file.
+    requested box. Memory: one open handle per file. ``as_loaded``: dtypes as transformers'
+    ``from_pretrained`` holds them (a bf16 checkpoint's ``e_score_correction_bias`` in float32, from the
+    model's own keep-in-fp32 plan), as a trainer or engine that loaded the checkpoint holds them.
 
     Raises:
         MergeError: no ``config.json`` / safetensors, a corrupt one, unsupported family, missing or mis-shaped experts.
     """
 
-    def __init__(self, checkpoint_dir: str | Path, layout: FamilyLayout | None = None):
+    def __init__(self, checkpoint_dir: str | Path, layout: FamilyLayout | None = None, *, as_loaded: bool = False):
         self.dir = Path(checkpoint_dir)
         config_path = self.dir / "config.json"
         if not config_path.is_file():
@@ -133,6 +135,8 @@ class SafetensorsBase:
         disk = self._disk_index()
         self._plans: dict[str, list[tuple[Piece, str]]] = {}
         self._metas = self._assemble(disk)
+        self._upcast = self._loaded_fp32() if as_loaded else frozenset()
+        self._metas = [ParamMeta(m.name, "float32", m.shape) if m.name in self._upcast else m for m in self._metas]
         self.tied_aliases = self._tied(disk)
         self._by_expert = {name: _index_by_expert(plan) for name, plan in self._plans.items() if len(plan) > 1}
 
@@ -172,6 +176,11 @@ class SafetensorsBase:
             metas[fused] = self._fused_meta(fused, param, by_expert, disk)
         order = sorted(metas, key=lambda n: layer_order_key(n)[:2])
         return [metas[n] for n in order]
+
+    def _loaded_fp32(self) -> frozenset[str]:
+        """Stored half-precision tensors that transformers' ``from_pretrained`` holds in float32."""
+        kept = kept_in_fp32(self.config)
+        return frozenset(m.name for m in self._metas if m.name in kept and m.dtype in ("bfloat16", "float16"))
 
     def _stored_piece(self, name: str, key: str, shape: tuple[int, ...]) -> Piece:
         """Disk tensor ``key`` as the in-memory tensor ``name``: transposed where the layout says so
@@ -249,7 +258,13 @@ class SafetensorsBase:
         return [p for e in range(*box[0]) for p in by_expert.get(e, ())]
 
     def read(self, name: str, box: Box) -> torch.Tensor:
-        """A view of the mapped checkpoint when ``box`` lies in one stored tensor; else an assembled copy."""
+        """A view of the mapped checkpoint when ``box`` lies in one stored tensor; else an assembled copy
+        (a float32 copy for a tensor ``as_loaded`` upcasts)."""
+        if name in self._upcast:
+            return self._read_stored(name, box).float()
+        return self._read_stored(name, box)
+
+    def _read_stored(self, name: str, box: Box) -> torch.Tensor:
         out = None
         for piece, file in self._pieces(name, box):
             sub = tuple((max(a, pa), min(b, pb)) for (a, b), (pa, pb) in zip(box, piece.box))

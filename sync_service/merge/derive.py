@@ -297,3 +297,28 @@ def memory_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     """In-memory name → shape of every parameter and persistent buffer of the model of ``config``
     (a ``config.json`` dict), from the meta-device model. Cached per config."""
     return _memory_cached(json.dumps(dict(config), sort_keys=True, default=str))
+
+
+@lru_cache(maxsize=8)
+def _kept_fp32_cached(config_json: str) -> frozenset[str]:
+    from transformers.core_model_loading import build_glob_alternation
+
+    config = config_object(json.loads(config_json))
+    dtype = getattr(torch, str(_get(config, "dtype") or _get(config, "torch_dtype") or "float32").removeprefix("torch."))
+    cls = _model_class(config)
+    with torch.device("meta"):
+        model = cls._from_config(config, dtype=dtype)  # modules built in fp32 explicitly stay fp32 (hunyuan's router)
+    built = {n for n, t in model.state_dict().items() if t.dtype == torch.float32 and dtype != torch.float32}
+    plan = model._get_dtype_plan(dtype)
+    if not plan:
+        return frozenset(built)
+    pattern, _, _ = build_glob_alternation(list(plan))
+    return frozenset(built | {n for n in model.state_dict() if pattern.search(n)})
+
+
+def kept_in_fp32(config: Mapping[str, Any]) -> frozenset[str]:
+    """In-memory names that transformers' ``from_pretrained`` loads in float32 whatever the checkpoint's
+    dtype: the model's own ``_get_dtype_plan`` (``_keep_in_fp32_modules_strict`` for a bf16/fp16 checkpoint,
+    ``_keep_in_fp32_modules`` for fp16; DeepSeek's ``mlp.gate.e_score_correction_bias``) and the modules it
+    builds in float32 explicitly (hunyuan_v1_moe's router ``mlp.gate.wg``), from the meta-device model."""
+    return _kept_fp32_cached(json.dumps(dict(config), sort_keys=True, default=str))

@@ -86,7 +86,7 @@ class TrainerState:
         from sync_service.merge.base import SafetensorsBase
         from sync_service.sharding.base import load_shard
 
-        base = load_shard(SafetensorsBase(base_dir), spec)
+        base = load_shard(SafetensorsBase(base_dir, as_loaded=True), spec)
         if adapter_dir is None:
             return cls(base, spec, **kw)
         from peft import PeftConfig

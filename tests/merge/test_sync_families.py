@@ -1,0 +1,157 @@
+"""Every family synced end to end: two TrainerShard actors (EP=2) → WeightSync → a transformers engine actor,
+all in one Ray session. Version 0 (full sync) must equal PEFT's ``merge_and_unload`` in float64 cast once;
+version 1 (a delta after a training step) must send only the tensors the adapter changes and equal the
+replayed reference. Families alternate fp32 / bf16 and plain / rsLoRA scaling. deepseek_v3 covers a
+persistent buffer (``mlp.gate.e_score_correction_bias``): carried by the full sync, never by a delta.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from sync_service.api import SyncConfig, WeightSync
+from sync_service.local import AdapterReplay, reference_state, start_trainers
+from sync_service.synthetic import make_adapter, make_base
+from tests.merge.conftest import assert_matches, peft_merged_model
+
+ray = pytest.importorskip("ray")
+
+CONFIG = SyncConfig(transport="shm", bucket_bytes=16 << 10, timeout_s=120)
+FAMILIES = ("qwen3_vl_moe", "llama4", "granitemoe", "glm4_moe", "qwen3_next", "qwen3_5_moe", "deepseek_v2", "dots1",
+            "ernie4_5_moe", "hunyuan_v1_moe", "minimax", "phimoe", "jamba", "deepseek_v3")
+CASES = [pytest.param(f, ("float32", "bfloat16")[i % 2], bool(i // 2 % 2), id=f"{f}-{('fp32', 'bf16')[i % 2]}"
+                      f"{'-rslora' if i // 2 % 2 else ''}") for i, f in enumerate(FAMILIES)]
+
+
+@pytest.fixture(scope="module")
+def trainer_pool(ray_local):
+    """Two TrainerShard actors, reloaded for each family (``start_trainers(..., reuse=pool)``)."""
+    from actors.trainer import TrainerShard
+
+    pool = [TrainerShard.remote(base_dir="", adapter_dir=None) for _ in range(2)]
+    yield pool
+    for actor in pool:
+        ray.kill(actor)
+
+
+class EnginePool:
+    """One engine actor per family, started ``ahead`` families in advance (an engine process takes most
+    of a case's time to import torch + transformers; they start in parallel, bounded for memory)."""
+
+    def __init__(self, files: dict, ahead: int = 4) -> None:
+        from actors.rollout import RolloutEngine
+
+        self._start = lambda f: RolloutEngine.remote(model_dir=str(files[f][0]), engine="hf", name=f)
+        self._order, self._ahead, self._started = [c.values[0] for c in CASES], ahead, {}
+        for family in self._order[:ahead]:
+            self._started[family] = self._start(family)
+
+    def take(self, family: str):
+        """The family's engine, ready (waits for its start, before the timeout); starts the next ones."""
+        engine = self._started.pop(family, None) or self._start(family)
+        i = self._order.index(family)
+        for nxt in self._order[i + 1:i + 1 + self._ahead]:
+            self._started.setdefault(nxt, self._start(nxt))
+        ray.get(engine.weight_version.remote(), timeout=300)
+        return engine
+
+    def close(self) -> None:
+        for engine in self._started.values():
+            ray.kill(engine)
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    """family → (base dir, adapter dir), all built before any engine starts."""
+    root = tmp_path_factory.mktemp("sync-families")
+    out = {}
+    for case in CASES:
+        family, dtype, rslora = case.values
+        base = make_base(family, root / family / "base", dtype=dtype, num_experts=4)
+        out[family] = (base, make_adapter(family, base, root / family / "lora", kind="target_parameters", r=2,
+                                          lora_alpha=6, use_rslora=rslora, seed=3))
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine_pool(ray_local, families):
+    pool = EnginePool(families)
+    yield pool
+    pool.close()
+
+
+def _engine_state(engine) -> dict[str, np.ndarray]:
+    return ray.get(engine.state.remote(), timeout=120)
+
+
+def _as_torch(state: dict[str, np.ndarray], like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Engine arrays (bf16 comes back as fp32, exactly) in the reference's dtypes."""
+    return {n: torch.from_numpy(a).to(like[n].dtype) for n, a in state.items()}
+
+
+@pytest.mark.parametrize("family,dtype,rslora", CASES)
+def test_family_full_then_delta_sync(trainer_pool, engine_pool, families, family, dtype, rslora):
+    base, adapter = families[family]
+    engine = engine_pool.take(family)
+    trainers = start_trainers(base, adapter, ep=2, reuse=trainer_pool)
+    sync = WeightSync(trainers=trainers, engines=[engine], config=CONFIG)
+    try:
+        assert sync.push(0).full
+        oracle_model = peft_merged_model(base, adapter)
+        oracle = {n: t.to(getattr(torch, dtype)) if t.dtype == torch.float64 else t
+                  for n, t in oracle_model.state_dict().items()}
+        state = _engine_state(engine)
+        assert_matches(_as_torch(state, oracle), {n: oracle[n] for n in state})
+
+        replay = AdapterReplay(adapter)
+        ray.get([t.train_step.remote(1) for t in trainers], timeout=120)
+        replay.step(1)
+        delta = sync.push(1)
+        assert not delta.full
+        before = {n: torch.from_numpy(a) for n, a in state.items()}
+        reference = reference_state(base, replay.peft_config, replay.state)
+        after = _engine_state(engine)
+        assert set(after) == set(reference)
+        for name, want in reference.items():
+            assert np.array_equal(after[name], want.float().numpy() if want.dtype == torch.bfloat16 else want.numpy()), name
+        changed = [n for n in after if not np.array_equal(after[n], before[n].numpy())]
+        assert any(".experts." in n for n in changed), changed
+        sent = {n: reference[n].numel() * reference[n].element_size() for n in replay_changed(base, reference)}
+        assert delta.bytes == sum(sent.values()), (delta.bytes, sent)
+        if family == "deepseek_v3":  # the buffer: carried by the full sync, never by the delta
+            bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+            assert bias in state and bias not in sent and np.array_equal(after[bias], state[bias])
+    finally:
+        sync.close()
+        ray.kill(engine)
+
+
+def replay_changed(base, reference: dict[str, torch.Tensor]) -> list[str]:
+    """Names whose reference differs from the base (what a delta must send)."""
+    from protocols.params import full_box
+    from sync_service.merge.base import SafetensorsBase
+
+    provider = SafetensorsBase(base)
+    return [n for n, t in reference.items() if not torch.equal(provider.read(n, full_box(tuple(t.shape))), t)]
+
+
+@pytest.mark.cli
+def test_cli_syncs_deepseek_v3_with_its_buffer(families, tmp_path):
+    """``weightsync sync`` on a bf16 DeepSeek-V3 checkpoint (its fp32 ``e_score_correction_bias`` buffer
+    in the engine) with a LoRA adapter: planning passes, a full then a delta version verify, exit 0."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    base, adapter = families["deepseek_v3"]
+    out = tmp_path / "run.json"
+    script = Path(sys.executable).with_name("weightsync")
+    done = subprocess.run([str(script), "sync", "--base", str(base), "--adapter", str(adapter), "--ep", "2",
+                           "--engines", "1", "--versions", "2", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["ok"] is True and report["ep"] == 2 and len(report["versions"]) == 2, report
