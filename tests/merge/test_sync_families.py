@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from sync_service.api import SyncConfig, WeightSync
-from sync_service.local import AdapterReplay, reference_state, start_trainers
+from actors.launch import start_trainers
+from sync_service.local import AdapterReplay, reference_state
 from sync_service.synthetic import make_adapter, make_base
 from tests.merge.conftest import assert_matches, peft_merged_model
 
