@@ -127,8 +127,16 @@ def describe(exc: BaseException) -> tuple[str, int]:
     return (f"{where}: {text}" if where else text), code
 
 
-# sub-commands that start trainer / engine actors (they need a launcher)
-STARTS_ACTORS = frozenset({"demo", "sync", "bench", "run"})
+class _NoLauncher:
+    """``args.launcher`` when ``main`` got none: checks run as usual, starting an actor fails naming the fix."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __getattr__(self, name: str):
+        raise RuntimeError(f"weightsync {self.command} starts actors, and this entry point has no actor launcher: "
+                           f"run the weightsync console script (actors.cli:main; after an update: pip install -e .) "
+                           f"or python -m actors.cli")
 
 
 def main(argv: list[str] | None = None, *, launcher=None) -> int:
@@ -139,10 +147,7 @@ def main(argv: list[str] | None = None, *, launcher=None) -> int:
     if unknown:  # name the sub-command, as its own errors do
         parser.exit(EXIT_BAD_INPUT, f"weightsync {args.command}: error: unrecognized arguments: {' '.join(unknown)} "
                                     f"(see weightsync {args.command} --help)\n")
-    if args.command in STARTS_ACTORS and launcher is None:
-        parser.exit(EXIT_BAD_INPUT, f"weightsync {args.command}: error: it starts actors: run the weightsync console "
-                                    f"script (actors.cli:main; after an update: pip install -e .) or python -m actors.cli\n")
-    args.launcher = launcher
+    args.launcher = launcher if launcher is not None else _NoLauncher(args.command)
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
     except KeyboardInterrupt:

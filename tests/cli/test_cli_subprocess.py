@@ -91,5 +91,5 @@ def test_actor_error_is_one_line(files):
     rc, err, seconds = weightsync(["sync", "--base", str(base), "--ep", "1", "--engines", "1", "--timeout", "300"], ray_allowed=True)
     line = one_error_line(err, "sync")
     assert rc == 1, err
-    assert "RolloutEngine.__init__" in line and "ignore_mismatched_sizes" in line, line
+    assert "RolloutEngineCore.__init__" in line and "ignore_mismatched_sizes" in line, line
     assert seconds < 300, "the actor's death must end the run, not the timeout"
