@@ -7,7 +7,7 @@ import sys
 
 
 def test_trainer_demo_with_a_vllm_engine_is_refused_in_one_line():
-    out = subprocess.run([sys.executable, "-m", "sync_service.cli", "demo", "--trainer", "fsdp2", "--engine", "vllm"],
+    out = subprocess.run([sys.executable, "-m", "actors.cli", "demo", "--trainer", "fsdp2", "--engine", "vllm"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
