@@ -70,7 +70,7 @@ def run_versions(trainers, engines, base, adapter, versions=3, atol=0.0) -> Weig
         assert metrics.buckets >= 2 and all(e.payload_bytes == metrics.bytes for e in metrics.engines)
         if v == 0:  # a full sync moves every tensor once: its bytes, plus < 64 bytes of alignment per entry
             metas = ray.get(engines[0].param_metas.remote())
-            tensor_bytes = sum(math.prod(m[2]) * DTYPE_BYTES[m[1]] for m in metas)
+            tensor_bytes = sum(math.prod(m.shape) * DTYPE_BYTES[m.dtype] for m in metas)
             entries = len(metas) * len(trainers) + metrics.buckets  # boxes per trainer, plus cuts at bucket ends
             assert tensor_bytes <= metrics.bytes < tensor_bytes + 64 * entries, (metrics.bytes, tensor_bytes)
         assert_engines_equal(engines, reference_state(base, replay.peft_config, replay.state), what=f"version {v}", atol=atol)
