@@ -5,7 +5,8 @@ Kinds (``ADAPTER_KINDS``):
   has one, ``lm_head`` (``target_modules``), and the router weight (``target_parameters``:
   ``mlp.gate.weight``; gpt_oss ``mlp.router.weight``).
 - ``"target_parameters"``: PEFT LoRA ``target_parameters`` on the 3D expert tensors
-  ``mlp.experts.gate_up_proj`` / ``mlp.experts.down_proj`` plus LoRA on the attention projections.
+  ``<experts>.gate_up_proj`` / ``<experts>.down_proj`` (``FamilySpec.experts``: ``mlp.experts``, llama4 / jamba
+  ``feed_forward.experts``, granitemoe ``block_sparse_moe.experts``) plus LoRA on the attention projections.
   PEFT stores ``lora_A`` [r·E, in] (rows expert-major) and ``lora_B`` [out, r·E] (columns rank-major).
 - ``"legacy"``: what a PEFT adapter trained on a pre-fusion (transformers v4) model holds: per-expert
   keys ``base_model.model.model.layers.L.mlp.experts.N.{gate,up,down}_proj.lora_{A,B}.weight``

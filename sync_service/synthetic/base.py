@@ -96,8 +96,10 @@ def make_base(
 ) -> Path:
     """Build, randomise and save a tiny ``family`` causal LM to ``out_dir``; returns ``out_dir``.
 
-    Families: ``qwen3_moe``, ``qwen2_moe`` (shared expert), ``mixtral``, ``olmoe``, ``deepseek_v3``
-    (MLA attention, layer 0 dense, one shared expert), ``gpt_oss`` (see ``FAMILIES``). Writes
+    Families: the keys of ``FAMILIES`` (``families.py``: qwen3_moe, qwen2_moe, mixtral, olmoe, deepseek_v3,
+    gpt_oss; ``families_more.py``: qwen3_vl_moe, llama4, granitemoe, glm4_moe, qwen3_next, qwen3_5_moe,
+    deepseek_v2, dots1, ernie4_5_moe, hunyuan_v1_moe, minimax, phimoe, jamba), built with the spec's
+    ``model_class`` (a VL model is no causal LM). Writes
     ``model.safetensors`` (or shards + index if larger than ``max_shard_size``), ``config.json``,
     ``generation_config.json`` and, with ``with_tokenizer``, a word-level tokenizer whose ids match
     the config's pad/bos/eos ids. Weights: see ``randomize_``; stored in ``dtype`` (``"float32"`` or
