@@ -14,7 +14,7 @@ import pytest
 from sync_service.engines.vllm_server.client import (
     ServerClient, ServerRequestError, ServerSetupError, ServerUnreachableError,
 )
-from sync_service.engines.vllm_server.engine import VLLMServerConfig
+from sync_service.engines.vllm_server.engine import VLLMServerConfig, VLLMServerEngine
 from sync_service.engines.vllm_server.launch import free_port
 from sync_service.engines.vllm_server.wire import InitInfo, command_body, verify_command
 
@@ -61,11 +61,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._answer(401, {"error": "Unauthorized"})
         elif self.path.startswith("/weight_info"):
             self._answer(404, {"detail": "Not Found"})
+        elif self.path.startswith("/server_info"):
+            self._answer(200, [1, 2])  # JSON, but not vLLM's object
+        elif self.path.startswith("/html"):
+            self._answer(200, None, raw=b"<html>some other web app</html>")
         else:
             self._answer(500, {"error": {"message": "boom in the worker"}})
 
-    def _answer(self, status: int, body: dict) -> None:
-        raw = json.dumps(body).encode()
+    def _answer(self, status: int, body: object, raw: bytes | None = None) -> None:
+        raw = json.dumps(body).encode() if raw is None else raw
         self.send_response(status)
         self.send_header("Content-Length", str(len(raw)))
         self.end_headers()
@@ -102,3 +106,13 @@ def test_keep_pause_mode_is_refused() -> None:
     with pytest.raises(ValueError, match="KEEP"):
         VLLMServerConfig(url="http://127.0.0.1:1", pause_mode="keep")
     assert "key" not in repr(VLLMServerConfig(url="http://127.0.0.1:1", api_key="key"))
+
+
+def test_a_url_that_is_not_a_vllm_server_is_named(http_server: str) -> None:
+    """An answer that is not JSON, or JSON that is not vLLM's object, is a ServerError naming the URL
+    (``weightsync sync --vllm-url`` prints it in one line), never a decode or attribute error."""
+    good = ServerClient(http_server, api_key="right", timeout_s=10)
+    with pytest.raises(ServerRequestError, match=r"GET /html: the answer is not JSON .*vLLM server"):
+        good.get("/html")
+    with pytest.raises(ServerSetupError, match=r"/server_info answered list, not an object"):
+        VLLMServerEngine(VLLMServerConfig(url=http_server, api_key="right", timeout_s=10))

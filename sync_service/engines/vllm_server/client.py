@@ -75,7 +75,8 @@ class ServerClient:
         """The decoded JSON answer (``None`` for an empty body). Blocks up to ``timeout_s``.
 
         Raises:
-            ServerUnreachableError, ServerSetupError (404 / 401), ServerRequestError (other >= 400).
+            ServerUnreachableError, ServerSetupError (404 / 401), ServerRequestError (other >= 400, or an
+            answer that is not JSON).
         """
         timeout = self.timeout_s if timeout_s is None else timeout_s
         where = f"vLLM server {self.url}: {method} {path}"
@@ -92,7 +93,11 @@ class ServerClient:
             reason = getattr(exc, "reason", exc)
             raise ServerUnreachableError(self.url, f"{where}: unreachable ({reason}); is the server running and is "
                                                    "the URL right?") from None
-        return json.loads(raw) if raw else None
+        try:
+            return json.loads(raw) if raw else None
+        except ValueError:
+            raise ServerRequestError(self.url, f"{where}: the answer is not JSON ({_error_text(raw)[:80]!r}); "
+                                               "is the URL a vLLM server's?") from None
 
     def _http_error(self, where: str, status: int, raw: bytes) -> ServerError:
         if status == 404:

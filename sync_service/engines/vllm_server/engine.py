@@ -92,6 +92,9 @@ class VLLMServerEngine:
 
     def _check_server(self) -> str:
         info = self._client.get("/server_info", params={"config_format": "json"})
+        if not isinstance(info, dict):
+            raise ServerSetupError(self.config.url, f"vLLM server {self.config.url}: GET /server_info answered "
+                                   f"{type(info).__name__}, not an object; is the URL a vLLM server's?")
         vllm_config = info.get("vllm_config") or {}
         transfer = vllm_config.get("weight_transfer_config") or {}
         if transfer.get("backend") != BACKEND:
