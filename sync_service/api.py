@@ -214,6 +214,7 @@ class WeightSync:
         self._in_flight = 0
         self._count_lock = threading.Lock()
         self._latest: int | None = None
+        self._closed = False
         self.telemetry = None  # sync_service.telemetry.SyncTelemetry, from the first serve_metrics on
         if self.config.metrics_port is not None:
             try:
@@ -254,11 +255,17 @@ class WeightSync:
         ``timeout_s`` (default ``config.timeout_s``), until the oldest finished (committed or failed).
 
         Raises:
+            TypeError: ``version`` not an int (a bool is not one).
             ValueError: ``version`` not above the last pushed one.
+            RuntimeError: after ``close()``.
             TimeoutError: no in-flight slot freed within ``timeout_s`` (nothing snapshotted).
         """
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise TypeError(f"push_async({version!r}): version must be an int, got {type(version).__name__}")
         wait = self.config.timeout_s if timeout_s is None else timeout_s
         with self._push_lock:
+            if self._closed:
+                raise RuntimeError(f"push_async({version}): this WeightSync is closed; make a new one over the actors")
             with self._count_lock:
                 previous = self._latest
             if previous is not None and version <= previous:
@@ -374,6 +381,8 @@ class WeightSync:
         return self._coordinator.plan
 
     def close(self) -> None:
+        with self._push_lock:
+            self._closed = True
         self._pool.shutdown(wait=True)
         if self.telemetry is not None:
             self.telemetry.close()

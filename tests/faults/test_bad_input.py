@@ -70,7 +70,21 @@ def test_version_regression_refused_nothing_applied(pool, synced):
     for stale in (v - 1, v):
         with pytest.raises(ValueError, match=rf"push_async\({stale}\): versions must increase; the last push was {v}"):
             sync.push(stale)
+    for bad in (v + 0.5, True, str(v + 1)):  # refused on the driver, before any snapshot or byte
+        with pytest.raises(TypeError, match=rf"push_async\({bad!r}\): version must be an int"):
+            sync.push(bad)
     assert_unchanged(engines, before, "after a refused version regression")
+    assert sync.latest_version == v
+
+
+def test_push_after_close_refused_before_any_snapshot(pool):
+    trainers, engines = pool.trainers(ep=2), pool.engines[:2]
+    sync = WeightSync(trainers=trainers, engines=engines, config=CONFIG)
+    sync.close()
+    before = served(engines)
+    with pytest.raises(RuntimeError, match=r"push_async\(\d+\): this WeightSync is closed"):
+        sync.push(pool.next_version())
+    assert_unchanged(engines, before, "after a push on a closed WeightSync")
 
 
 def test_non_finite_factors_refused_on_every_push(pool, synced):
