@@ -203,7 +203,10 @@ def load_config(path: str | Path) -> DeployConfig:
     try:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
-        raise ConfigError(str(path), f"not valid YAML ({exc}); fix the syntax") from None
+        mark = getattr(exc, "problem_mark", None)  # one line: PyYAML's own text spans several
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        what = getattr(exc, "problem", None) or " ".join(str(exc).split())
+        raise ConfigError("<top>", f"not valid YAML ({where}{what}); fix the syntax") from None
     return parse_config(raw)
 
 
