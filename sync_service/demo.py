@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from sync_service.preflight import check_run_arguments, check_transport, resolve_engines, resolve_parallel
+from sync_service.preflight import check_run_arguments, check_transport, fail, resolve_engines, resolve_parallel
 from sync_service.sync_cli import RunConfig, add_common_arguments, execute_engine, quiet_libraries
 from sync_service.synthetic.demo_files import DEMO_ADAPTER, DEMO_MODEL, ensure_files
 
@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.rl:
+        if args.trainer is not None:
+            fail(args, f"--rl trains its own trainer shards; drop --trainer {args.trainer} (or --rl)")
+        check_run_arguments(args)
         from sync_service.rl import RLConfig
         from sync_service.rl.run import run_demo_rl
 
@@ -63,7 +66,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_live(args: argparse.Namespace) -> int:
     from sync_service.live.demo import run_trainer_demo
-    from sync_service.preflight import fail
 
     if args.engine != "hf":
         fail(args, f"--trainer {args.trainer} verifies transformers engines; drop --engine {args.engine}")

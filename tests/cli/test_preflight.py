@@ -128,6 +128,14 @@ def test_demo_refuses_transport_and_bucket_before_ray(tmp_path, capsys):
     assert not (tmp_path / "c").exists(), "the demo generated files before refusing its flags"
 
 
+def test_demo_rl_refuses_bad_flags_before_ray(tmp_path, capsys):
+    cache = ["demo", "--rl", "--cache-dir", str(tmp_path / "c")]
+    fails(capsys, cache + ["--timeout", "0"], "--timeout=0.0 must be a finite number of seconds > 0")
+    fails(capsys, cache + ["--json", str(tmp_path / "no" / "x.json")], "--json", "does not exist")
+    fails(capsys, cache + ["--trainer", "ep"], "--rl trains its own trainer shards; drop --trainer ep")
+    assert not (tmp_path / "c").exists(), "the --rl demo generated files before refusing its flags"
+
+
 def test_engine_and_engines_are_distinct_flags():
     """No prefix matching: ``--engine vllm`` is the engine kind, ``--engines 3`` the count, and an
     abbreviation of either is refused."""
