@@ -69,11 +69,13 @@ def _run_live(args: argparse.Namespace) -> int:
 
     if args.engine != "hf":
         fail(args, f"--trainer {args.trainer} verifies transformers engines; drop --engine {args.engine}")
+    if args.ep is not None or args.trainers is not None or args.tp != 1:
+        fail(args, f"--trainer {args.trainer} runs 2 training ranks of its own; drop --ep / --tp / --trainers")
     check_run_arguments(args)
     quiet_libraries()
     base, _ = ensure_files(args.cache_dir)
     cfg = RunConfig(base=base, adapter=None, engine="hf", engines=args.engines or 2, versions=args.versions,
                     transport=args.transport, bucket_bytes=args.bucket_bytes, timeout_s=args.timeout,
-                    json_path=args.json)
+                    json_path=args.json, metrics_port=args.metrics_port)
     return run_trainer_demo(cfg, {"model": DEMO_MODEL, "cache_dir": str(args.cache_dir)}, kind=args.trainer,
                             launcher=args.launcher)

@@ -86,10 +86,11 @@ def _run(cfg: RunConfig, kind: str, losses: list, launcher) -> list[VersionRow]:
         handles = ray.get([r.setup.remote(host, port, str(cfg.base), kind) for r in ranks], timeout=cfg.timeout_s)
         steps.step(f"starting {cfg.engines} engine(s)")
         engines = launcher.start_engines(cfg.base, cfg.engines, timeout_s=cfg.timeout_s)
-        names = [ray.get(e.engine_name.remote()) for e in engines]
+        names = ray.get([e.engine_name.remote() for e in engines], timeout=cfg.timeout_s)
         steps.step("planning, validating the plan against every engine")
         sync = WeightSync(trainers=handles, engines=engines, config=SyncConfig(
-            transport=cfg.transport, bucket_bytes=cfg.bucket_bytes, timeout_s=cfg.timeout_s))
+            transport=cfg.transport, bucket_bytes=cfg.bucket_bytes, timeout_s=cfg.timeout_s,
+            metrics_port=cfg.metrics_port))
         for v in range(cfg.versions):
             steps.step(f"version {v}: AdamW step on {WORLD} ranks, push")
             losses.append(sum(ray.get([r.train_step.remote() for r in ranks], timeout=cfg.timeout_s)) / WORLD)

@@ -134,6 +134,9 @@ def test_demo_rl_refuses_bad_flags_before_ray(tmp_path, capsys):
     fails(capsys, cache + ["--json", str(tmp_path / "no" / "x.json")], "--json", "does not exist")
     fails(capsys, cache + ["--trainer", "ep"], "--rl trains its own trainer shards; drop --trainer ep")
     assert not (tmp_path / "c").exists(), "the --rl demo generated files before refusing its flags"
+    live = ["demo", "--trainer", "ep", "--cache-dir", str(tmp_path / "c")]
+    fails(capsys, live + ["--ep", "4"], "--trainer ep runs 2 training ranks of its own; drop --ep")
+    assert not (tmp_path / "c").exists(), "the --trainer demo generated files before refusing its flags"
 
 
 def test_engine_and_engines_are_distinct_flags():
