@@ -170,11 +170,11 @@ def verify_version(cfg: RunConfig, vdir: Path, replay, engines) -> list[dict]:
 
     from sync_service.engines.hf import HFEngine
     from sync_service.merge.export import merge_checkpoint
-    from sync_service.merge.peft_oracle import checkpoint_state, compare_state, peft_merged_model
+    from sync_service.merge.peft_oracle import checkpoint_state, compare_state, model_state, peft_merged_model
 
     adapter = None if replay is None else replay.save(vdir / "adapter")
     model = peft_merged_model(cfg.base, adapter)
-    oracle = {n: p.detach() for n, p in model.named_parameters()}
+    oracle = model_state(model)
     oracle_engine = HFEngine(model)
     expected = [oracle_engine.generate(p, MAX_NEW_TOKENS).tokens for p in PROMPTS]
     merged = cfg.base

@@ -24,7 +24,7 @@ import torch
 
 from sync_service.merge.export import COPIED_FILES
 
-__all__ = ["StateCheck", "checkpoint_state", "compare_state", "peft_merged_model", "peft_merged_state", "save_peft_merged", "values_match"]
+__all__ = ["StateCheck", "checkpoint_state", "compare_state", "model_state", "peft_merged_model", "peft_merged_state", "save_peft_merged", "values_match"]
 
 
 def _serving_dtype(base_dir: Path) -> torch.dtype:
@@ -54,9 +54,21 @@ def peft_merged_model(base_dir: str | Path, adapter_dir: str | Path | None) -> t
     return model.to(_serving_dtype(base_dir)).train(False)
 
 
+def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What an engine built on ``model`` serves: ``named_parameters`` plus the persistent buffers
+    ``state_dict`` saves that alias no parameter (e.g. DeepSeek's ``mlp.gate.e_score_correction_bias``),
+    the rule of ``engines.hf.HFEngine``'s table. Name → detached tensor (no copy)."""
+    state = {n: p.detach() for n, p in model.named_parameters()}
+    held = {t.data_ptr() for t in state.values()}  # a tied name aliases a parameter's storage
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if name not in state and tensor.data_ptr() not in held:
+            state[name] = tensor.detach()
+    return state
+
+
 def peft_merged_state(base_dir: str | Path, adapter_dir: str | Path | None) -> dict[str, torch.Tensor]:
-    """``named_parameters`` of ``peft_merged_model``: name → tensor in the serving dtype."""
-    return {n: p.detach() for n, p in peft_merged_model(base_dir, adapter_dir).named_parameters()}
+    """``model_state`` of ``peft_merged_model``: name → tensor in the serving dtype."""
+    return model_state(peft_merged_model(base_dir, adapter_dir))
 
 
 def checkpoint_state(model_dir: str | Path) -> dict[str, torch.Tensor]:
