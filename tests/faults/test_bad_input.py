@@ -77,8 +77,11 @@ def test_version_regression_refused_nothing_applied(pool, synced):
     assert sync.latest_version == v
 
 
-def test_push_after_close_refused_before_any_snapshot(pool):
-    trainers, engines = pool.trainers(ep=2), pool.engines[:2]
+def test_push_after_close_refused_before_any_snapshot(pool, synced):
+    """A second WeightSync on the module's actors (reconfiguring them with ``pool.trainers`` would close
+    every channel of theirs): closed, it refuses a push before any snapshot; the first one keeps working
+    (the next test pushes through it)."""
+    _, trainers, engines = synced
     sync = WeightSync(trainers=trainers, engines=engines, config=CONFIG)
     sync.close()
     before = served(engines)
