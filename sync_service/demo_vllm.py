@@ -87,11 +87,9 @@ def run_vllm(cfg: RunConfig, launcher) -> list[VersionRow]:
             m = sync.push(v)
             gens = [ray.get(engines[0].generate.remote(list(p), MAX_NEW_TOKENS), timeout=cfg.timeout_s) for p in PROMPTS]
             ok = [g[0] for g in gens] == expected[str(v)] and all(g[1] == v for g in gens)
-            rows.append(VersionRow(
-                version=v, full=m.full, bytes=m.bytes, buckets=m.buckets, seconds=m.seconds, gb_per_s=m.gb_per_s,
-                stages=m.stage_seconds(),
-                engines=[{"engine": "vllm0", "verified": ok, "weights_equal_reference": None, "max_abs_diff": None,
-                          "weights_equal_merge_output": None, "generations_equal": ok, "weight_version": gens[0][1]}]))
+            rows.append(VersionRow.of(v, m, [{
+                "engine": "vllm0", "verified": ok, "weights_equal_reference": None, "max_abs_diff": None,
+                "weights_equal_merge_output": None, "generations_equal": ok, "weight_version": gens[0][1]}]))
             print_row(rows[-1])
         sync.close()
     finally:

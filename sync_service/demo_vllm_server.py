@@ -35,11 +35,6 @@ def _servers(cfg: RunConfig, stack: contextlib.ExitStack, log_dir: Path) -> list
                                                   log_dir=log_dir)).url for _ in range(cfg.engines)]
 
 
-def _row(v: int, m, engines: list[dict]) -> VersionRow:
-    return VersionRow(version=v, full=m.full, bytes=m.bytes, buckets=m.buckets, seconds=m.seconds,
-                      gb_per_s=m.gb_per_s, engines=engines, stages=m.stage_seconds())
-
-
 def _verify(engine, name: str, v: int, expected: list, timeout_s: float) -> dict:
     import ray
 
@@ -90,7 +85,7 @@ def run_server(cfg: RunConfig, launcher) -> list[VersionRow]:
             if v:
                 ray.get([t.train_step.remote(v) for t in trainers], timeout=cfg.timeout_s)
             m = sync.push(v)
-            rows.append(_row(v, m, [_verify(e, f"server{i}", v, expected[str(v)], cfg.timeout_s)
+            rows.append(VersionRow.of(v, m, [_verify(e, f"server{i}", v, expected[str(v)], cfg.timeout_s)
                                     for i, e in enumerate(engines)]))
             print_row(rows[-1])
         sync.close()

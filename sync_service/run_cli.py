@@ -86,8 +86,7 @@ def run_versions(cfg: DeployConfig, deployment, sync, first_version: int = 0, ve
             engines = [{**e, **c} for e, c in zip(engines, checks)]
         else:
             engines = [{**e, "verified": e["committed"]} for e in engines]
-        rows.append(VersionRow(version=v, full=m.full, bytes=m.bytes, buckets=m.buckets, seconds=m.seconds,
-                               gb_per_s=m.gb_per_s, stages=m.stage_seconds(), engines=engines))
+        rows.append(VersionRow.of(v, m, engines))
         print_row(rows[-1])
     return rows
 

@@ -87,6 +87,13 @@ class VersionRow:
     def verified(self) -> bool:
         return bool(self.engines) and all(e["verified"] for e in self.engines)
 
+    @classmethod
+    def of(cls, version: int, metrics, engines: list[dict]) -> "VersionRow":
+        """The row of one push: ``metrics`` is its ``SyncMetrics``, ``engines`` one check dict per engine."""
+        return cls(version=version, full=metrics.full, bytes=metrics.bytes, buckets=metrics.buckets,
+                   seconds=metrics.seconds, gb_per_s=metrics.gb_per_s, stages=metrics.stage_seconds(),
+                   engines=engines)
+
 
 def quiet_libraries() -> None:
     """No per-load progress bars from transformers / the hub in the table output."""
@@ -141,10 +148,7 @@ def run_local(cfg: RunConfig, launcher) -> list[VersionRow]:
             m = sync.push(v)
             steps.step(f"version {v}: verify")
             checks = verify_version(cfg, work / f"v{v}", replay, engines)
-            rows.append(VersionRow(
-                version=v, full=m.full, bytes=m.bytes, buckets=m.buckets, seconds=m.seconds, gb_per_s=m.gb_per_s,
-                stages=m.stage_seconds(),
-                engines=[{"engine": n, **c} for n, c in zip(names, checks)]))
+            rows.append(VersionRow.of(v, m, [{"engine": n, **c} for n, c in zip(names, checks)]))
             print_row(rows[-1])
         sync.close()
     finally:

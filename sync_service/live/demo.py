@@ -98,9 +98,8 @@ def _run(cfg: RunConfig, kind: str, losses: list, launcher) -> list[VersionRow]:
             steps.step(f"version {v}: verify against PEFT's float64 merge")
             adapter = _adapter(ray.get([r.adapter_state.remote() for r in ranks], timeout=cfg.timeout_s)[0])
             reference = peft_reference(cfg.base, adapter, lora_config(), tmp / f"v{v}")
-            rows.append(VersionRow(version=v, full=m.full, bytes=m.bytes, buckets=m.buckets, seconds=m.seconds,
-                                   gb_per_s=m.gb_per_s, stages=m.stage_seconds(),
-                                   engines=_verify(engines, names, reference, tmp / f"v{v}" / "merged", cfg.timeout_s)))
+            rows.append(VersionRow.of(v, m, _verify(engines, names, reference, tmp / f"v{v}" / "merged",
+                                                    cfg.timeout_s)))
             print_row(rows[-1])
         sync.close()
     finally:
