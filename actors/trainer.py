@@ -209,6 +209,7 @@ class TrainerShardCore:
         t0 = time.perf_counter()
         try:
             self._state().merge.check_finite = request.check_finite
+            self._state().merge.accumulate_dtype = request.accumulate_dtype
             plain = self._factors is None or not any(e.recipe is not None for e in plan.entries)
             source = _TimedSource(self._state().source(version) if plain
                                   else self._factors.source(self._state(), version, plan))

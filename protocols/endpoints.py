@@ -79,6 +79,7 @@ class SendRequest:
         owner: the channel (``OpenChannel.owner``). session: the sync's id on the wire (unique per attempt).
         version: the snapshotted weight version. names: the delta's tensor names; ``None``: everything.
         timeout_s: bound of the whole send, seconds. check_finite: refuse merged NaN/Inf (``MergeError``).
+        accumulate_dtype: the merge's accumulation dtype (``MergeConfig.accumulate_dtype``).
     """
 
     owner: str
@@ -87,6 +88,7 @@ class SendRequest:
     names: tuple[str, ...] | None
     timeout_s: float
     check_finite: bool = False
+    accumulate_dtype: str = "float32"
 
 
 @dataclass(frozen=True, slots=True)

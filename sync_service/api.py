@@ -53,6 +53,8 @@ class SyncConfig:
     check_finite: bool = False
     """Refuse a version whose merged weights hold NaN/Inf: the trainers' ``MergeConfig.check_finite``
     (one extra pass over each merged box); the push fails naming the tensor, nothing is applied."""
+    accumulate_dtype: str = "float32"
+    """The trainers' ``MergeConfig.accumulate_dtype``: ``"float64"`` serves bitwise PEFT's float64 merge cast once."""
     secret: bytes | None = field(default=None, repr=False)
     """HMAC-SHA256 key authenticating every bucket (>= 16 bytes; see ``sync_service/security.py``);
     ``None``: a fresh random one per WeightSync. Never printed (excluded from repr)."""
@@ -103,6 +105,8 @@ class SyncConfig:
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"SyncConfig.metrics_port={self.metrics_port} must be a TCP port 0..65535 (0: a free one) "
                              f"or None")
+        if self.accumulate_dtype not in ("float32", "float64"):
+            raise ValueError(f"SyncConfig.accumulate_dtype={self.accumulate_dtype!r}; use 'float32' or 'float64'")
         if not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
             raise ValueError(f"SyncConfig.timeout_s={self.timeout_s} must be a finite number of seconds > 0")
         FactorPolicy(mode=self.mode, factor_memory_bytes=self.factor_memory_bytes,
@@ -125,7 +129,7 @@ buffered per trainer in RAM or /dev/shm; beyond this a bucket only costs memory)
 # is checked by ``check_secret`` (its value is never printed).
 _FIELD_TYPES: dict[str, tuple] = {
     "bucket_bytes": (int,), "transport": (str,), "timeout_s": (int, float), "check_finite": (bool,),
-    "delta": (bool,), "max_in_flight": (int,), "max_staleness": (int,),
+    "accumulate_dtype": (str,), "delta": (bool,), "max_in_flight": (int,), "max_staleness": (int,),
     "mode": (str,), "factor_memory_bytes": (int, None), "experts_per_recipe": (int,),
     "metrics_port": (int, None), "metrics_host": (str,),
     "bind_host": (str,), "port_range": (tuple, None),

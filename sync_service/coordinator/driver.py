@@ -171,7 +171,8 @@ class Coordinator:
             prepared = run.prepare(SendRequest(owner=self._channel.owner, session=f"{self._channel.owner}-"
                                                f"{self._channel.epoch}-v{version}", version=version,
                                                names=None if names is None else tuple(sorted(names)),
-                                               timeout_s=self.config.timeout_s, check_finite=self.config.check_finite))
+                                               timeout_s=self.config.timeout_s, check_finite=self.config.check_finite,
+                                               accumulate_dtype=self.config.accumulate_dtype))
             if prepared.ok:
                 return self._commit(run, prepared, version, names is None, lost, t0)
             dead = prepared.dead_engines()

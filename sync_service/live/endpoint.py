@@ -122,6 +122,7 @@ class TrainerEndpoint:
         t0 = time.perf_counter()
         try:
             self.state.merge.check_finite = request.check_finite
+            self.state.merge.accumulate_dtype = request.accumulate_dtype
             source = _TimedSource(self.state.source(version))
         except BaseException:
             self.state.drop_snapshot(version)

@@ -38,6 +38,11 @@ class MergeConfig:
     stays small. 1 MiB measured best among 128 KiB-64 MiB (docs/benchmarks.md, Merge)."""
     check_finite: bool = False
     """Raise ``MergeError`` naming the tensor when a merged value is NaN or Inf (costs one pass)."""
+    accumulate_dtype: str = "float32"
+    """Scratch dtype of ``W + Σ s·B@A`` before the one cast into the output: ``"float32"`` (fast; a bf16
+    output can round one ulp away from PEFT's float64 merge where the fp32 sum lands next to a bf16
+    rounding boundary) or ``"float64"`` (bitwise PEFT's float64 ``merge_and_unload`` cast once, in the
+    tests' models; twice the scratch bytes). A float64 base always accumulates in float64."""
 
 
 def check_untied_owned(adapter: LoraAdapter, owned: Sequence[ParamMeta]) -> None:
@@ -97,6 +102,8 @@ class MergedSource:
             self._base_metas[alias] = ParamMeta(alias, self._base_metas[kept].dtype, self._base_metas[kept].shape)
         if config.out_dtype is not None and not hasattr(torch, config.out_dtype):
             raise MergeError(f"MergeConfig.out_dtype {config.out_dtype!r} is not a torch dtype name (e.g. 'bfloat16')")
+        if config.accumulate_dtype not in ("float32", "float64"):
+            raise MergeError(f"MergeConfig.accumulate_dtype {config.accumulate_dtype!r}: use 'float32' or 'float64'")
         if owned is None:
             owned = [ParamMeta(m.name, config.out_dtype or m.dtype, m.shape) for m in self._base_metas.values()]
         else:
@@ -164,7 +171,7 @@ class MergedSource:
                 if view.is_floating_point():
                     self._check(name, view)
                 continue
-            scratch = self._scratch.view(box_shape(sub), base.device, base.dtype)
+            scratch = self._scratch.view(box_shape(sub), base.device, self._accumulate(base.dtype))
             scratch.copy_(base)
             apply_parts(scratch, parts)
             view.copy_(scratch)
@@ -187,14 +194,17 @@ class MergedSource:
             view.copy_(scratch)
             self._check(name, view, scratch)
 
+    def _accumulate(self, base_dtype: torch.dtype) -> torch.dtype:
+        return torch.float64 if base_dtype == torch.float64 or self.config.accumulate_dtype == "float64" else torch.float32
+
     def _chunks(self, name: str, box: Box):
-        itemsize = 8 if self._base_metas[name].dtype == "float64" else 4
+        itemsize = self._accumulate(TORCH_DTYPES[self._base_metas[name].dtype]).itemsize
         return chunks(box, min(self.config.tile_bytes, self.config.staging_bytes), itemsize)
 
     def _merged(self, name: str, sub: Box, terms) -> torch.Tensor:
         """Base values of ``sub`` + every term, in the reused scratch (valid until the next call)."""
         base = self._read_base(name, sub)
-        scratch = self._scratch.view(box_shape(sub), base.device, base.dtype)
+        scratch = self._scratch.view(box_shape(sub), base.device, self._accumulate(base.dtype))
         scratch.copy_(base)
         apply_terms(scratch, sub, terms)
         return scratch

@@ -25,7 +25,7 @@ _FP32_BYTES = 4
 class Scratch:
     """One reusable accumulation buffer of at most ``budget_bytes``; records the peak bytes handed out.
 
-    fp32 (float64 for a float64 base, so an exact base is not rounded through fp32)."""
+    Its dtype is the caller's accumulation dtype (``MergeConfig.accumulate_dtype``; float64 for a float64 base)."""
 
     def __init__(self, budget_bytes: int):
         self.budget_bytes = budget_bytes
@@ -33,8 +33,8 @@ class Scratch:
         self._buf: torch.Tensor | None = None
         self._views: dict[tuple, torch.Tensor] = {}  # (shape, dtype) → view of _buf; tiles repeat shapes
 
-    def view(self, shape: Sequence[int], device: torch.device, base_dtype: torch.dtype) -> torch.Tensor:
-        dtype = torch.float64 if base_dtype == torch.float64 else torch.float32
+    def view(self, shape: Sequence[int], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """A ``dtype`` view of ``shape`` into the buffer (valid until the next call)."""
         key = (tuple(shape), dtype)
         cached = self._views.get(key)
         if cached is not None and cached.device == device:

@@ -60,6 +60,8 @@ class ApplyStats:
     timeline: list = field(default_factory=list)
     """``(stage, seq, start, end)`` per bucket, ``time.perf_counter()`` seconds (CLOCK_MONOTONIC,
     comparable across processes of one host); stages ``recv``, ``verify`` (calling thread), ``apply``."""
+    modules: int = 0
+    """Engine modules whose post-load processing ran (``FinishReport.modules`` of the adapter's finish)."""
 
 
 class _SyncState:
@@ -164,7 +166,7 @@ class BucketReceiver:
             stats.apply_s, stats.buckets, stats.entries, stats.payload_bytes = (
                 stage.apply_s, stage.buckets, stage.entries, stage.payload_bytes)
             tf = time.perf_counter()
-            self.adapter.finish_update()
+            stats.modules = self.adapter.finish_update().modules
             stats.finish_s = time.perf_counter() - tf
             transport.reply(encode(Ack(session=st.session, version=st.version, receiver=self.receiver,
                                        num_entries=stats.entries, payload_bytes=stats.payload_bytes)), _left(end, timeout_s))

@@ -146,7 +146,42 @@ def vllm_case(checkpoint: Path, monkeypatch) -> Iterator[EngineCase]:
         engine.shutdown()
 
 
-CASES = {"memory": memory_case, "transformers": transformers_case, "vllm": vllm_case}
+@contextmanager
+def vllm_server_case(checkpoint: Path, monkeypatch) -> Iterator[EngineCase]:
+    """A stock vLLM server subprocess on loopback with the weightsync backend, through ``VLLMServerEngine``
+    (``server_adapter.ServerAdapter``). ``generate`` asks ``/inference/v1/generate``, which reports the
+    weight version of every output token (one version per request, or the case fails)."""
+    from sync_service.engines.vllm_server import VLLMServerConfig, VLLMServerEngine
+    from sync_service.engines.vllm_server.client import ServerClient
+    from sync_service.engines.vllm_server.launch import LocalServer
+    from tests.conformance.server_adapter import ServerAdapter
+
+    args = ("--max-model-len", "64", "--block-size", "32", "--enable-scale-out")  # scale-out: the generate route
+    with LocalServer.start(checkpoint, dtype="float32", timeout_s=600, extra_args=args) as server:
+        engine = ServerAdapter(VLLMServerEngine(VLLMServerConfig(url=server.url, name="server")))
+        client = ServerClient(server.url, timeout_s=120)
+        body = {"token_ids": PROMPT, "sampling_params": {"temperature": 0.0, "max_tokens": NEW_TOKENS}}
+
+        def generate():
+            choice = client.post("/inference/v1/generate", body)["choices"][0]
+            labels = {span["version"] for span in choice["weight_versions"]}
+            if len(labels) != 1:
+                return choice["token_ids"], f"mixed versions {sorted(map(str, labels))}"  # never a committed one
+            label = labels.pop()
+            return choice["token_ids"], None if label is None else int(label)
+
+        def served():
+            (g,) = engine.server.complete([PROMPT], NEW_TOKENS)
+            return g.tokens, g.logprobs
+
+        try:
+            yield EngineCase(engine=engine, versions=two_versions(checkpoint, engine), served=served, generate=generate)
+        finally:
+            engine.close()
+
+
+CASES = {"memory": memory_case, "transformers": transformers_case, "vllm": vllm_case,
+         "vllm_server": vllm_server_case}
 """Engine adapter → builder (a context manager ``(checkpoint, monkeypatch) -> EngineCase``)."""
-MARKS = {"vllm": ("vllm",)}
+MARKS = {"vllm": ("vllm",), "vllm_server": ("vllm",)}
 """Pytest marks of a case (an engine that needs an optional install)."""

@@ -1,8 +1,8 @@
 """Engine conformance: every ``EngineAdapter`` keeps the same contract (``protocols.interfaces``).
 
-Parametrized over every adapter of ``engine_cases.CASES`` (in-memory, transformers, vLLM in process),
-one engine per adapter for the module; each test leaves its engine serving the checkpoint's values
-(``versions["a"]``), so the order of the tests does not matter.
+Parametrized over every adapter of ``engine_cases.CASES`` (in-memory, transformers, vLLM in process, a
+vLLM server through its handle), one engine per adapter for the module; each test leaves its engine
+serving the checkpoint's values (``versions["a"]``), so the order of the tests does not matter.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ class WeightsyncUpdateInfo(WeightTransferUpdateInfo):
 def _stats(s: ApplyStats) -> dict:
     return {"version": s.version, "buckets": s.buckets, "entries": s.entries, "payload_bytes": s.payload_bytes,
             "wait_s": s.wait_s, "verify_s": s.verify_s, "apply_s": s.apply_s, "finish_s": s.finish_s,
-            "total_s": s.total_s}
+            "modules": s.modules, "total_s": s.total_s}
 
 
 class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdateInfo]):

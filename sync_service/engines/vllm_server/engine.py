@@ -146,11 +146,11 @@ class VLLMServerEngine:
             self._client.post("/update_weights", {"update_info": {"timeout_s": timeout_s}}, timeout_s=timeout_s + 30)
         except ServerRequestError as exc:
             self._active = False  # vLLM ends the update session when update_weights raises
-            error = self._status().get("error")
+            error = self.status().get("error")
             if error:
                 raise type(exc)(self.config.url, f"{self.name}: sync failed in the server: {error}") from None
             raise
-        received = self._status().get("received") or {}
+        received = self.status().get("received") or {}
         return {"engine": self.name, **{k: received.get(k, 0) for k in (
             "version", "buckets", "entries", "payload_bytes", "wait_s", "verify_s", "apply_s", "finish_s", "total_s")}}
 
@@ -170,6 +170,12 @@ class VLLMServerEngine:
 
     def reset_caches(self) -> None:
         self._client.post("/reset_prefix_cache")
+
+    def status(self) -> dict:
+        """The backend's state in the server's worker: ``{"version", "received", "error"}``; ``received``:
+        the last received, uncommitted sync's stats (``buckets``, ``payload_bytes``, ``modules``, seconds
+        ``wait_s`` ... ``total_s``) or ``None``; ``error``: the last failed receive's error text or ``None``."""
+        return self._command("status")
 
     # -- serving (verification, tests) ---------------------------------------------------------
     def complete(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[ServerGeneration]:
@@ -194,8 +200,6 @@ class VLLMServerEngine:
         self._client.post("/reset_prefix_cache")
         self._client.post("/resume")
 
-    def _status(self) -> dict:
-        return self._command("status")
 
     def _command(self, op: str, *, authenticated: bool = False) -> object:
         body = ""
