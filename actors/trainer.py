@@ -1,17 +1,15 @@
 """``TrainerShard``: a Ray actor holding one trainer rank's base shard + LoRA factors, sending syncs.
 
-Implements ``protocols.endpoints.TrainerEndpoint`` and ``FactorTrainerEndpoint`` (the calls the
-coordinator makes; requests and reports are the frozen dataclasses declared there). Threaded
-(``max_concurrency=2``): a training-step hook (``set_factors`` / ``train_step``) may run while
-``send`` streams a version — ``send`` works on the snapshot taken by ``snapshot(version)``, so later
-factor changes never leak into it. One channel per owner (coordinator): a second coordinator on the
-same actors never closes the first one's channel.
+Implements ``protocols.endpoints.TrainerEndpoint`` through the one endpoint implementation
+(``sync_service.live.endpoint.TrainerEndpoint``, the same code a live training rank runs, here over
+a ``TrainerState`` read from a checkpoint) plus ``FactorTrainerEndpoint`` (factor streaming).
+Threaded (``max_concurrency=2``): a training-step hook (``set_factors`` / ``train_step``) may run
+while ``send`` streams a version — ``send`` works on the snapshot taken by ``snapshot(version)``, so
+later factor changes never leak into it.
 """
 
 from __future__ import annotations
 
-import threading
-import time
 from datetime import timedelta
 
 import numpy as np
@@ -22,29 +20,11 @@ from protocols.endpoints import FactorCost, OpenChannel, SendReport, SendRequest
 from protocols.params import ParamMeta
 from protocols.recipe import Recipe
 from protocols.wire import SyncPlan
-from protocols.wire_check import decode
+from sync_service.live.endpoint import TrainerEndpoint
 from sync_service.sharding.ep_factors import local_factors
 from sync_service.sharding.rules import ShardSpec
 from sync_service.sharding.trainer_state import TrainerState
 from sync_service.sharding.training import step_delta
-
-
-class _TimedSource:
-    """WeightSource wrapper that sums the seconds spent in ``fill`` (merge + copy into the bucket)."""
-
-    def __init__(self, source) -> None:
-        self._source, self.fill_s = source, 0.0
-
-    def param_metas(self):
-        return self._source.param_metas()
-
-    def changed_names(self):
-        return self._source.changed_names()
-
-    def fill(self, name, box, out) -> None:
-        t0 = time.perf_counter()
-        self._source.fill(name, box, out)
-        self.fill_s += time.perf_counter() - t0
 
 
 class TrainerShardCore:
@@ -60,11 +40,9 @@ class TrainerShardCore:
         self.spec = ShardSpec(rank=rank, ep=ep, tp=tp)
         self._init = dict(base_dir=base_dir, adapter_dir=adapter_dir, gather_timeout_s=gather_timeout_s)
         self.state: TrainerState | None = None
-        self._channels: dict[str, tuple] = {}  # owner -> (Sender, SyncPlan)
-        self._plan: SyncPlan | None = None  # the last opened channel's plan (factor deltas follow it)
+        self.endpoint: TrainerEndpoint | None = None  # over ``state``; made by setup()
         self._factors = None  # sync_service.factor_stream.trainer.FactorTrainer, in factor modes
         self._full_shapes: dict[str, tuple[int, ...]] = {}
-        self._send_lock = threading.Lock()  # one send at a time: sends share the bucket pool and the adapter
         self._rendezvous = None  # rank 0: the trainer group's reserved listening socket (rendezvous_address)
 
     # -- setup -----------------------------------------------------------------------------
@@ -116,6 +94,7 @@ class TrainerShardCore:
             self._init_group(host, port, timeout_s)
         self.state = TrainerState.from_checkpoint(self._init["base_dir"], self._init["adapter_dir"], self.spec,
                                                   gather_timeout_s=self._init["gather_timeout_s"])
+        self.endpoint = TrainerEndpoint(self.state, rank=self.spec.rank, source_for=self._source_for)
         if self._init["adapter_dir"] is not None:
             from safetensors import safe_open
 
@@ -123,34 +102,30 @@ class TrainerShardCore:
                 self._full_shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
         return len(self.state.owned())
 
+    # -- the endpoint calls (sync_service.live.endpoint.TrainerEndpoint) -------------------
     def owned_metas(self) -> tuple[ParamMeta, ...]:
         """The global boxes this rank produces, in production order."""
-        return tuple(self._state().owned())
+        return self._endpoint().owned_metas()
 
     def open_transport(self, request: OpenChannel) -> None:
-        """Open the sender side of ``request.owner``'s channel and keep its plan. Blocks until the
-        receivers connected. Buckets are sealed with ``request.secret`` (engines verify)."""
-        from sync_service.streaming.pool import BucketPool
-        from sync_service.streaming.sender import Sender
-        from sync_service.transports import TransportSpec, open_sender
-
-        self.close_transport(request.owner)
-        plan = decode(request.plan)
-        if not isinstance(plan, SyncPlan):
-            raise ValueError(f"open_transport: plan decodes to {type(plan).__name__}, not a SyncPlan")
-        spec = TransportSpec.from_bytes(request.spec)
-        sender = Sender(open_sender(spec, sender=request.index),
-                        BucketPool(bucket_bytes=plan.bucket_bytes, num_buffers=request.bucket_buffers),
-                        sender=request.index, secret=request.secret)
-        self._channels[request.owner] = (sender, plan)
-        self._plan = plan
+        """Open the sender side of ``request.owner``'s channel (``TrainerEndpoint.open_transport``)."""
+        self._endpoint().open_transport(request)
 
     def close_transport(self, owner: str | None = None) -> None:
         """Close ``owner``'s channel (``None``: every channel); a send blocked on it fails."""
-        for key in list(self._channels) if owner is None else [owner]:
-            entry = self._channels.pop(key, None)
-            if entry is not None:
-                entry[0].transport.close()
+        if self.endpoint is not None:
+            self.endpoint.close_transport(owner)
+
+    def snapshot(self, version: int) -> SnapshotReport:
+        """Freeze ``version``; ``changed``: the names a delta sync needs (``None``: all)."""
+        return self._endpoint().snapshot(version)
+
+    def send(self, request: SendRequest) -> SendReport:
+        """Merge and stream this rank's part of ``request.version`` (``TrainerEndpoint.send``)."""
+        return self._endpoint().send(request)
+
+    def drop_snapshot(self, version: int) -> None:
+        self._endpoint().drop_snapshot(version)
 
     # -- training-side hooks ---------------------------------------------------------------
     def set_factors(self, updates: dict[str, np.ndarray]) -> None:
@@ -175,57 +150,11 @@ class TrainerShardCore:
     def local_base(self) -> dict[str, np.ndarray]:
         return {k: v.numpy().copy() for k, v in self._state().base.local_tensors().items()}
 
-    # -- sync ------------------------------------------------------------------------------
-    def snapshot(self, version: int) -> SnapshotReport:
-        """Freeze ``version``; ``changed``: the names a delta sync needs (``None``: all)."""
-        changed = self._state().snapshot(version)
-        return SnapshotReport(version=version, changed=None if changed is None else frozenset(changed))
-
-    def send(self, request: SendRequest) -> SendReport:
-        """Refresh the adapter, merge and stream this rank's part of ``request.version`` over
-        ``request.owner``'s channel; blocks until every engine acked. ``request.check_finite``: a
-        merged NaN/Inf fails the sync with ``MergeError`` naming the tensor (the engines are told to
-        abort before anything is committed).
-
-        Raises:
-            TimeoutError: the previous send did not end within ``timeout_s``. RuntimeError: no channel
-            of that owner. MergeError, PeerLostError, RemoteSyncError: from the merge or the stream.
-        """
-        if not self._send_lock.acquire(timeout=request.timeout_s):
-            self._state().drop_snapshot(request.version)
-            raise TimeoutError(f"trainer rank {self.spec.rank}: send({request.version}) waited {request.timeout_s:.0f} s "
-                               f"for the previous send to end; raise SyncConfig.timeout_s or check that rank")
-        try:
-            return self._send(request)
-        finally:
-            self._send_lock.release()
-
-    def _send(self, request: SendRequest) -> SendReport:
-        version = request.version
-        if request.owner not in self._channels:
-            self._state().drop_snapshot(version)
-            raise RuntimeError(f"trainer rank {self.spec.rank}: send before open_transport (channel {request.owner!r})")
-        sender, plan = self._channels[request.owner]
-        t0 = time.perf_counter()
-        try:
-            self._state().merge.check_finite = request.check_finite
-            self._state().merge.accumulate_dtype = request.accumulate_dtype
-            plain = self._factors is None or not any(e.recipe is not None for e in plan.entries)
-            source = _TimedSource(self._state().source(version) if plain
-                                  else self._factors.source(self._state(), version, plan))
-        except BaseException:
-            self._state().drop_snapshot(version)
-            raise
-        gather_s = time.perf_counter() - t0
-        names = None if request.names is None else frozenset(request.names)
-        stats = sender.send_sync(request.session, version, source, plan, names=names, timeout_s=request.timeout_s)
-        return SendReport(rank=self.spec.rank, gather_s=gather_s, merge_s=source.fill_s,
-                          pack_s=max(stats.pack_s - source.fill_s, 0.0), transfer_s=stats.transfer_s,
-                          ack_wait_s=stats.ack_wait_s, total_s=time.perf_counter() - t0,
-                          payload_bytes=stats.payload_bytes, buckets=stats.buckets, entries=stats.entries)
-
-    def drop_snapshot(self, version: int) -> None:
-        self._state().drop_snapshot(version)
+    def _source_for(self, version: int, plan: SyncPlan):
+        """The send's source: merged boxes, or factor recipes when ``plan`` carries recipe entries."""
+        if self._factors is None or not any(e.recipe is not None for e in plan.entries):
+            return self._state().source(version)
+        return self._factors.source(self._state(), version, plan)
 
     # -- factor streaming (sync_service/factor_stream; SyncConfig.mode "factors" | "auto") ------------
     def factor_costs(self) -> tuple[FactorCost, ...]:
@@ -239,7 +168,7 @@ class TrainerShardCore:
 
     def factor_delta(self, version: int) -> tuple[str, ...]:
         """Gather ``version``'s factors (collective) and return this rank's changed recipe blocks."""
-        return tuple(self._factor_state().delta(self._state(), version, self._plan, self.spec.rank))
+        return tuple(self._factor_state().delta(self._state(), version, self._endpoint().plan, self.spec.rank))
 
     def factor_committed(self, version: int) -> None:
         self._factor_state().ledger.commit(version)
@@ -253,6 +182,11 @@ class TrainerShardCore:
 
             self._factors = FactorTrainer()
         return self._factors
+
+    def _endpoint(self) -> TrainerEndpoint:
+        if self.endpoint is None:
+            raise RuntimeError("TrainerShard used before setup()")
+        return self.endpoint
 
     def _state(self) -> TrainerState:
         if self.state is None:

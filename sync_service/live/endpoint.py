@@ -1,10 +1,13 @@
-"""``TrainerEndpoint``: the part of a training process the coordinator drives, over a live model.
+"""``TrainerEndpoint``: the part of a trainer process the coordinator drives — one implementation.
 
 Implements ``protocols.endpoints.TrainerEndpoint``: the coordinator calls, on every rank,
 ``owned_metas`` (once, to plan), ``open_transport(OpenChannel)`` (per membership), then per push
-``snapshot(v)`` and ``send(SendRequest)`` — or ``drop_snapshot(v)``. Calls arrive on a thread of the
-process other than the training loop's (a Ray actor method thread), so ``send`` streams a snapshot
-while the next training step runs; one send runs at a time. One channel per owner (coordinator).
+``snapshot(v)`` and ``send(SendRequest)`` — or ``drop_snapshot(v)``. Both kinds of trainer use it:
+a live training rank (``attach_trainer``: a ``LiveState`` over the user's PEFT model) and the
+``TrainerShard`` actor (``actors/trainer.py``: a ``TrainerState`` read from a checkpoint). Calls
+arrive on a thread other than the training loop's (a Ray actor method thread), so ``send`` streams
+a snapshot while the next training step runs; one send runs at a time. One channel per owner
+(coordinator): a second coordinator on the same process never closes the first one's channel.
 """
 
 from __future__ import annotations
@@ -12,14 +15,29 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from protocols.endpoints import OpenChannel, SendReport, SendRequest, SnapshotReport
 from protocols.params import ParamMeta
 from protocols.wire import SyncPlan
 from protocols.wire_check import decode
-from sync_service.live.state import LiveState
 
-__all__ = ["TrainerEndpoint"]
+__all__ = ["SyncState", "TrainerEndpoint"]
+
+
+class SyncState(Protocol):
+    """What an endpoint needs of a rank's state (``LiveState``, ``TrainerState``)."""
+
+    merge: object
+    """The ``MergeConfig`` its sources use (``check_finite``, ``accumulate_dtype`` are set per send)."""
+
+    def owned(self) -> list[ParamMeta]: ...
+
+    def snapshot(self, version: int) -> frozenset[str] | None: ...
+
+    def drop_snapshot(self, version: int) -> None: ...
+
+    def source(self, version: int): ...
 
 
 class _TimedSource:
@@ -41,18 +59,26 @@ class _TimedSource:
 
 
 class TrainerEndpoint:
-    """One training rank's endpoint (made by ``attach_trainer``; ``protocols.endpoints.TrainerEndpoint``).
+    """One trainer rank's endpoint (``protocols.endpoints.TrainerEndpoint``).
 
     Args:
-        state: the rank's ``LiveState``.
-        rank: this rank's sender index in the plan (its rank in weightsync's group).
+        state: the rank's ``SyncState`` (its owned boxes, snapshots and merged sources).
+        rank: this rank's index in its trainer group (named in errors; its sender index is
+            ``OpenChannel.index``).
         before_send: called with the version at the start of every ``send``, before the factor
             gather and the first byte (an injection point: tests hold a send here).
+        source_for: ``(version, plan) -> WeightSource`` of a send (default: ``state.source(version)``);
+            the ``TrainerShard`` actor streams factor recipes through it.
     """
 
-    def __init__(self, state: LiveState, *, rank: int, before_send: Callable[[int], None] | None = None) -> None:
+    def __init__(self, state: SyncState, *, rank: int, before_send: Callable[[int], None] | None = None,
+                 source_for: Callable[[int, SyncPlan], object] | None = None) -> None:
         self.state, self.rank, self.before_send = state, rank, before_send
-        self._channels: dict[str, tuple] = {}  # owner -> (Sender, SyncPlan)
+        self._source_for = source_for or (lambda version, _plan: state.source(version))
+        self.channels: dict[str, tuple] = {}
+        """owner → (``Sender``, ``SyncPlan``) of each open channel."""
+        self.plan: SyncPlan | None = None
+        """The plan of the channel opened last (``None`` before the first)."""
         self._send_lock = threading.Lock()
 
     def owned_metas(self) -> tuple[ParamMeta, ...]:
@@ -60,7 +86,8 @@ class TrainerEndpoint:
         return tuple(self.state.owned())
 
     def open_transport(self, request: OpenChannel) -> None:
-        """Open the sender side of ``request.owner``'s channel and keep its plan. Blocks until the peers connect.
+        """Open the sender side of ``request.owner``'s channel and keep its plan. Blocks until the
+        peers connect. Buckets are sealed with ``request.secret`` (engines verify).
 
         Raises:
             ValueError: ``request.plan`` is not a ``SyncPlan``.
@@ -74,15 +101,16 @@ class TrainerEndpoint:
         if not isinstance(plan, SyncPlan):
             raise ValueError(f"open_transport: plan decodes to {type(plan).__name__}, not a SyncPlan")
         spec = TransportSpec.from_bytes(request.spec)
-        sender = Sender(open_sender(spec, sender=self.rank),
+        sender = Sender(open_sender(spec, sender=request.index),
                         BucketPool(bucket_bytes=plan.bucket_bytes, num_buffers=request.bucket_buffers),
-                        sender=self.rank, secret=request.secret)
-        self._channels[request.owner] = (sender, plan)
+                        sender=request.index, secret=request.secret)
+        self.channels[request.owner] = (sender, plan)
+        self.plan = plan
 
     def close_transport(self, owner: str | None = None) -> None:
-        """Close ``owner``'s channel (``None``: every channel)."""
-        for key in list(self._channels) if owner is None else [owner]:
-            entry = self._channels.pop(key, None)
+        """Close ``owner``'s channel (``None``: every channel); a send blocked on it fails."""
+        for key in list(self.channels) if owner is None else [owner]:
+            entry = self.channels.pop(key, None)
             if entry is not None:
                 entry[0].transport.close()
 
@@ -97,14 +125,16 @@ class TrainerEndpoint:
     def send(self, request: SendRequest) -> SendReport:
         """Gather the factors this rank lacks, merge its owned boxes of the snapshot and stream them
         over ``request.owner``'s channel; blocks until every engine acked (at most ``timeout_s`` per step).
+        ``request.check_finite``: a merged NaN/Inf fails the sync with ``MergeError`` naming the tensor;
+        ``request.accumulate_dtype``: the merge's accumulation dtype.
 
         Raises:
             TimeoutError: the previous send did not end within ``timeout_s``. RuntimeError: no
-                channel of that owner. MergeError: NaN/Inf factors or merged values (named).
+                channel of that owner. MergeError, PeerLostError, RemoteSyncError: from the merge or the stream.
         """
         if not self._send_lock.acquire(timeout=request.timeout_s):
             self.state.drop_snapshot(request.version)
-            raise TimeoutError(f"training rank {self.rank}: send({request.version}) waited {request.timeout_s:.0f} s "
+            raise TimeoutError(f"trainer rank {self.rank}: send({request.version}) waited {request.timeout_s:.0f} s "
                                f"for the previous send to end; raise SyncConfig.timeout_s or check that rank")
         try:
             return self._send(request)
@@ -113,17 +143,17 @@ class TrainerEndpoint:
 
     def _send(self, request: SendRequest) -> SendReport:
         version = request.version
-        if request.owner not in self._channels:
+        if request.owner not in self.channels:
             self.state.drop_snapshot(version)
-            raise RuntimeError(f"training rank {self.rank}: send before open_transport (channel {request.owner!r})")
-        sender, plan = self._channels[request.owner]
+            raise RuntimeError(f"trainer rank {self.rank}: send before open_transport (channel {request.owner!r})")
+        sender, plan = self.channels[request.owner]
         if self.before_send is not None:
             self.before_send(version)
         t0 = time.perf_counter()
         try:
             self.state.merge.check_finite = request.check_finite
             self.state.merge.accumulate_dtype = request.accumulate_dtype
-            source = _TimedSource(self.state.source(version))
+            source = _TimedSource(self._source_for(version, plan))
         except BaseException:
             self.state.drop_snapshot(version)
             raise

@@ -138,7 +138,7 @@ class TamperedTransport:
 
 def tamper_frames(actor, mode: str, seq: int = 1) -> None:
     """Tamper with bucket ``seq`` of this trainer's next sync on every open channel (see ``TamperedTransport``)."""
-    for sender, _ in actor._channels.values():
+    for sender, _ in actor.endpoint.channels.values():
         sender.transport = TamperedTransport(sender.transport, mode, seq)
 
 
