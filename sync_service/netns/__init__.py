@@ -6,6 +6,8 @@ runs one Ray node per namespace host. See each module's docstring for an example
 
 from sync_service.netns.hosts import (Host, HostsConfig, HostsError, Listener, NamespaceHosts, WireBytes, available,
                                       cleanup_stale, host_from_dict, listeners, parse_rate, set_link, wire_bytes)
+from sync_service.netns.ray_nodes import RayHosts, RayHostsConfig, wait_for_nodes
 
 __all__ = ["Host", "HostsConfig", "HostsError", "Listener", "NamespaceHosts", "WireBytes", "available",
-           "cleanup_stale", "host_from_dict", "listeners", "parse_rate", "set_link", "wire_bytes"]
+           "RayHosts", "RayHostsConfig",
+           "cleanup_stale", "host_from_dict", "listeners", "parse_rate", "set_link", "wait_for_nodes", "wire_bytes"]

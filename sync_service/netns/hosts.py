@@ -179,21 +179,23 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _remove_netns(ns: str, timeout_s: float) -> None:
-    """SIGTERM, then SIGKILL after ``timeout_s / 3``, every process inside ``ns``; then delete it."""
+def _remove_netns(names: list[str], timeout_s: float) -> None:
+    """SIGTERM every process inside the namespaces ``names``, SIGKILL what still runs after
+    ``timeout_s / 3``, wait up to as long again; then delete them."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in _pids(ns, timeout_s):
+        for pid in (p for ns in names for p in _pids(ns, timeout_s)):
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
         end = time.monotonic() + timeout_s / 3
-        while _pids(ns, timeout_s) and time.monotonic() < end:
+        while any(_pids(ns, timeout_s) for ns in names) and time.monotonic() < end:
             time.sleep(0.1)
-    try:
-        _ip("netns", "del", ns, timeout_s=timeout_s)
-    except HostsError:
-        pass  # already gone
+    for ns in names:
+        try:
+            _ip("netns", "del", ns, timeout_s=timeout_s)
+        except HostsError:
+            pass  # already gone
 
 
 def cleanup_stale(prefix: str = "wsnet", timeout_s: float = 30.0) -> list[str]:
@@ -203,8 +205,9 @@ def cleanup_stale(prefix: str = "wsnet", timeout_s: float = 30.0) -> list[str]:
     for line in _ip("netns", "list", timeout_s=timeout_s).splitlines():
         m = re.match(rf"({re.escape(prefix)}(\d+)-[a-z0-9]+)\b", line)
         if m and not _alive(int(m.group(2))):
-            _remove_netns(m.group(1), timeout_s)
             stale.append(m.group(1))
+    if stale:
+        _remove_netns(stale, timeout_s)
     return stale
 
 
@@ -296,8 +299,12 @@ class NamespaceHosts:
 
     def set_link(self, host: str, *, up: bool) -> None:
         """Cut ``host`` off the switch (``up=False``: its bridge port goes down, packets are lost as on
-        a pulled cable; its own address stays) or reconnect it."""
+        a pulled cable; its own address stays) or reconnect it (then every host forgets the failed
+        address resolutions of the cut, so connecting works at once instead of after ARP's backoff)."""
         set_link(self.hosts[host], up=up, timeout_s=self.config.timeout_s)
+        if up:
+            for h in self.hosts.values():
+                _ip("neigh", "flush", "dev", "eth0", ns=h.netns, timeout_s=self.config.timeout_s)
 
     def wire_bytes(self, host: str) -> WireBytes:
         """Bytes sent and received so far by ``host``'s ``eth0``."""
@@ -321,12 +328,12 @@ class NamespaceHosts:
             except subprocess.TimeoutExpired:
                 pass
         self._procs.clear()
-        for ns in (*(h.netns for h in self.hosts.values()), self.switch):
-            _remove_netns(ns, self.config.timeout_s)
+        _remove_netns([*(h.netns for h in self.hosts.values()), self.switch], self.config.timeout_s)
 
 
 def set_link(host: Host, *, up: bool, timeout_s: float = 30.0) -> None:
-    """``NamespaceHosts.set_link`` for a ``Host`` shipped to another process (needs root there)."""
+    """``NamespaceHosts.set_link`` for a ``Host`` shipped to another process (needs root there); a
+    reconnected host is reachable once the peers' failed address resolutions expire (seconds)."""
     _ip("link", "set", host.port, "up" if up else "down", ns=host.switch, timeout_s=timeout_s)
 
 
