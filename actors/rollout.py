@@ -144,6 +144,19 @@ class RolloutEngineCore:
         r = self.engine.generate(prompt_token_ids, max_new_tokens)
         return r.tokens, r.weight_version
 
+    def generate_logprobs(self, prompt_token_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float], int | None]:
+        """Greedy tokens, the natural-log probability of each, and the weight version that produced them
+        (engines with ``generate_batch``: vLLM).
+
+        Raises:
+            TypeError: this engine reports no logprobs (the transformers engine: use ``generate``).
+        """
+        batch = getattr(self.engine, "generate_batch", None)
+        if batch is None:
+            raise TypeError(f"{self.name}: engine {type(self.engine).__name__} reports no logprobs; use generate")
+        g = batch([prompt_token_ids], max_new_tokens, logprobs=True)[0]
+        return g.tokens, g.logprobs, g.weight_version
+
     def sample(self, prompt_token_ids: list[int], max_new_tokens: int, num_samples: int, temperature: float,
                seed: int) -> tuple[list[list[int]], int | None]:
         """``num_samples`` sampled continuations (see ``HFEngine.sample``) and the weight version that

@@ -1,10 +1,11 @@
-"""Fresh-engine oracle: greedy tokens of a plain ``vllm.LLM`` started on each of some checkpoints.
+"""Fresh-engine oracle: greedy tokens (and their logprobs) of a plain ``vllm.LLM`` started on each of some checkpoints.
 
-``fresh_tokens(runs, prompts, max_new_tokens)`` runs ``python -m sync_service.vllm_oracle
+``fresh_outputs(runs, prompts, max_new_tokens)`` runs ``python -m sync_service.vllm_oracle
 SPEC OUT`` in a subprocess (vLLM in process there, one engine at a time, each shut down before the
 next), so the caller never holds a second vLLM engine. SPEC / OUT are JSON:
 ``{"runs": {key: [model_dir, dtype]}, "prompts": [[ids]], "max_new_tokens": n, "max_model_len": n}`` →
-``{key: [[token ids] per prompt]}``, each prompt decoded in its own ``generate`` call. No weightsync code touches the engines it starts.
+``{key: [{"tokens": [ids], "logprobs": [float]} per prompt]}``, each prompt decoded in its own
+``generate`` call; ``fresh_tokens`` keeps the tokens. No weightsync code touches the engines it starts.
 """
 
 from __future__ import annotations
@@ -18,13 +19,21 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["fresh_tokens"]
+__all__ = ["fresh_outputs", "fresh_tokens"]
 
 
 def fresh_tokens(runs: Mapping[str, str | Path], prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                  max_model_len: int = 128, timeout_s: float = 600.0) -> dict[str, list[list[int]]]:
     """Greedy tokens of a fresh vLLM on each checkpoint of ``runs`` (key → directory), in the
-    checkpoint's dtype (as ``FusedVLLMEngine``), for each of ``prompts``.
+    checkpoint's dtype (as ``FusedVLLMEngine``), for each of ``prompts``. Raises as ``fresh_outputs``."""
+    outputs = fresh_outputs(runs, prompts, max_new_tokens, max_model_len=max_model_len, timeout_s=timeout_s)
+    return {key: [o["tokens"] for o in outs] for key, outs in outputs.items()}
+
+
+def fresh_outputs(runs: Mapping[str, str | Path], prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                  max_model_len: int = 128, timeout_s: float = 600.0) -> dict[str, list[dict[str, list]]]:
+    """Greedy ``{"tokens": [ids], "logprobs": [natural-log probability of each token]}`` per prompt of
+    a fresh vLLM on each checkpoint of ``runs`` (key → directory), in the checkpoint's dtype.
 
     Raises:
         RuntimeError: the subprocess failed (its stderr tail in the message);
@@ -48,19 +57,22 @@ def fresh_tokens(runs: Mapping[str, str | Path], prompts: Sequence[Sequence[int]
 def _run(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=spec["max_new_tokens"])
+    params = SamplingParams(temperature=0.0, max_tokens=spec["max_new_tokens"], logprobs=0)
     out = {}
     for key, (model_dir, dtype) in spec["runs"].items():
         llm = LLM(model=model_dir, dtype=dtype, enforce_eager=True, seed=0, max_model_len=spec["max_model_len"])
-        out[key] = [list(llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids)
-                    for p in spec["prompts"]]  # one call per prompt, as RolloutEngine.generate
+        out[key] = []
+        for prompt in spec["prompts"]:  # one call per prompt, as RolloutEngine.generate
+            gen = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+            out[key].append({"tokens": list(gen.token_ids),
+                             "logprobs": [lp[t].logprob for t, lp in zip(gen.token_ids, gen.logprobs)]})
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
     return out
 
 
-if __name__ == "__main__":  # started by fresh_tokens with VLLM_ENV
+if __name__ == "__main__":  # started by fresh_outputs with VLLM_ENV
     with open(sys.argv[1]) as f:
         result = _run(json.load(f))
     with open(sys.argv[2], "w") as f:

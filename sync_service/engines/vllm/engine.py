@@ -29,6 +29,7 @@ from sync_service.dtypes import wire_dtype
 from sync_service.engines.hf import GenerateResult
 from sync_service.engines.staging import check_box
 from sync_service.engines.vllm.config import VLLMEngineConfig
+from sync_service.engines.vllm.families import check_family
 from sync_service.engines.vllm.gate import ServeGate
 from sync_service.engines.vllm.worker import WORKER_EXTENSION, tensor_payload
 
@@ -60,12 +61,14 @@ class VLLMEngine:
 
     Raises (constructor):
         ImportError: vLLM is not installed (``scripts/setup-vllm.sh``).
-        ValueError: the model's loader rejects a checkpoint tensor.
+        ValueError: a model family vLLM cannot serve (``families.check_family``), or the model's loader
+            rejects a checkpoint tensor.
     """
 
     def __init__(self, config: VLLMEngineConfig) -> None:
         from vllm import LLM
 
+        check_family(config.model_dir)  # a family vLLM cannot serve is refused before vLLM starts
         self._config = config
         kwargs = dict(config.engine_kwargs)
         if config.block_size is not None:

@@ -1,7 +1,8 @@
 """What a checkpoint needs before vLLM can start on it, checked from its files without importing vLLM.
 
 vLLM fails late (seconds into start-up, with a long worker traceback) on a head size its attention
-backend lacks or on a checkpoint without tokenizer files; ``check_model_dir`` says so at once.
+backend lacks, on a checkpoint without tokenizer files, or on a model family it cannot serve
+(``families.VLLM_FAMILIES``); ``check_model_dir`` says so at once.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import importlib.metadata
 import json
 from pathlib import Path
+
+from sync_service.engines.vllm.families import check_family
 
 __all__ = ["CPU_HEAD_SIZES", "TOKENIZER_FILES", "check_model_dir"]
 
@@ -30,8 +33,10 @@ def _cpu_build() -> bool:
 
 def check_model_dir(model_dir: str | Path) -> None:
     """Raises ValueError naming the file, the value and the fix when vLLM cannot start on ``model_dir``:
-    no tokenizer file, or (CPU build) a head size its attention does not support."""
+    a family vLLM cannot serve (``check_family``), no tokenizer file, or (CPU build) a head size its
+    attention does not support."""
     model_dir = Path(model_dir)
+    check_family(model_dir)
     if not any((model_dir / f).is_file() for f in TOKENIZER_FILES):
         raise ValueError(f"{model_dir}: no tokenizer file ({', '.join(TOKENIZER_FILES)}); vLLM needs one — save the "
                          f"tokenizer next to the checkpoint (tokenizer.save_pretrained)")
