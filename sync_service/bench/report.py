@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from sync_service.bench.live import live_goal
 from sync_service.bench.rows import ROW_KINDS, BenchConfig, Row
 from sync_service.coordinator.metrics import STAGES
 
@@ -54,13 +55,15 @@ def build_report(rows: list[Row], cfg: BenchConfig, *, factor_bytes: dict[int, i
         "goal": "trainer peak extra <= 2 x bucket + factors, flat in model size",
         "value": ours_extra, "budget": budget,
         "met": all(ours_extra[k] <= budget[k] for k in ours_extra)}
+    goals["live_trainer_memory"] = live_goal(rows, cfg.bucket_bytes)
     floor_s = {r.size: r.median_s for r in rows if r.kind == "floor"}
     return {
         "command": "weightsync bench " + " ".join(machine.get("argv", [])),
         "machine": machine,
         "config": {"sizes": sizes, "bucket_bytes": cfg.bucket_bytes, "repeats": cfg.repeats, "quick": cfg.quick,
                    "ep": cfg.ep, "fanout": cfg.fanout, "full_max_size": cfg.full_max_size, "fanout_max_size": cfg.fanout_max_size,
-                   "gather_max_size": cfg.gather_max_size, "disk_max_size": cfg.disk_max_size},
+                   "gather_max_size": cfg.gather_max_size, "disk_max_size": cfg.disk_max_size,
+                   "live_max_size": cfg.live_max_size},
         "reference_size": ref,
         "ratios": ratios,
         "ratios_by_size": {str(s): _ratios(rows, s) for s in sizes},

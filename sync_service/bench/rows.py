@@ -15,6 +15,7 @@ ROW_KINDS = {
     "full": "ours, full sync, 2 trainer shards -> 1 engine",
     "disk": "PEFT merge_and_unload + save_pretrained (safetensors) + engine from_pretrained",
     "gather": "full merged state dict gathered in one trainer, ray.put, engine ray.get + copy into its params",
+    "live_fsdp2": "ours, delta sync from a live FSDP2 training job (2 ranks, AdamW step between pushes) -> 1 engine",
     "floor": "one cross-process copy of the same bytes through reused shared memory",
 }
 
@@ -44,6 +45,8 @@ class BenchConfig:
     """The full-gather row runs at sizes <= this (memory: it holds the model ~4 times)."""
     disk_max_size: int = 1
     """The disk row runs at sizes <= this (time: it reloads the PEFT model before every run)."""
+    live_max_size: int = 2
+    """The live-trainer row runs at sizes <= this (each rank loads the whole base before sharding it)."""
     cache_dir: Path = Path.home() / ".cache" / "weightsync" / "bench"
     """Generated models are kept here by shape and reused."""
     work_dir: Path | None = None
@@ -65,7 +68,8 @@ class BenchConfig:
 
     def runs(self, kind: str, size: int) -> bool:
         """Whether row ``kind`` runs at ``size`` (the size plan)."""
-        limit = {"full": self.full_max_size, "delta_fanout4": self.fanout_max_size, "gather": self.gather_max_size, "disk": self.disk_max_size}
+        limit = {"full": self.full_max_size, "delta_fanout4": self.fanout_max_size, "gather": self.gather_max_size,
+                 "disk": self.disk_max_size, "live_fsdp2": self.live_max_size}
         return size <= limit.get(kind, size)
 
 
@@ -77,7 +81,8 @@ class Row:
     ``*_peak_rss_bytes`` the peak of the group's summed RSS during the row; ``trainer_peak_extra_bytes``
     the largest growth of one trainer process's allocated bytes (anonymous + shared memory, see
     ``rss.allocated_bytes``) over their value before the row's first run; ``trainer_peak_extra_rss_bytes``
-    the same for RSS (which also counts the first read of a memory-mapped base shard).
+    the same for RSS (which also counts the first read of a memory-mapped base shard);
+    ``trainer_gathered_bytes`` a trainer's reused factor gather buffers (live trainer row).
     """
 
     kind: str
@@ -91,6 +96,7 @@ class Row:
     trainer_peak_extra_bytes: int = 0
     trainer_peak_extra_rss_bytes: int = 0
     engine_peak_rss_bytes: int = 0
+    trainer_gathered_bytes: int = 0
     note: str = ""
 
     @property

@@ -2,7 +2,7 @@
 
 One local Ray (2 CPUs, own temp dir) for the run; every row starts its own actors and kills them at
 its end (``gc`` in between), so rows never share memory. Order per size: ours (delta, full,
-fan-out), floor (the bytes of our delta sync), full-gather, disk. Then the factor-streaming row
+fan-out), the live FSDP2 trainer, floor (the bytes of our delta sync), full-gather, disk. Then the factor-streaming row
 (``sync_service.factor_stream.factor_streaming_row``, in process).
 """
 
@@ -18,6 +18,7 @@ from pathlib import Path
 
 from sync_service.bench.baselines import run_disk, run_gather
 from sync_service.bench.floor import ShmFloor
+from sync_service.bench.live import run_live
 from sync_service.bench.model import ensure_model, model_for_size
 from sync_service.bench.ours import run_ours
 from sync_service.bench.report import build_report
@@ -76,6 +77,8 @@ def run_bench(cfg: BenchConfig, *, launcher, argv: list[str] | None = None, say=
             if not ray.is_initialized():
                 start_ray(tmp / "ray")
             _guard(failed, "ours", size, say, lambda: run_ours(model, cfg, size, rows, launcher, say=say))
+            if cfg.runs("live_fsdp2", size):
+                _guard(failed, "live_fsdp2", size, say, lambda: rows.append(run_live(model, cfg, size, launcher, say=say)))
             delta = next((r for r in rows if r.kind == "delta" and r.size == size), None)
             if delta is not None:
                 say(f"  {size}x floor")

@@ -83,10 +83,11 @@ class ExampleTrainingRank:
         return "127.0.0.1", _free_port()
 
     def setup(self, host: str, port: int, base_dir: str, mode: str, *, lora_r: int = 2, shard_dim: int = 0,
-              restore: dict[str, np.ndarray] | None = None, **attach_kw):
+              restore: dict[str, np.ndarray] | None = None, dtype: str = "float32", **attach_kw):
         """Join the training group, build and wrap the model, make the optimizer; attach weightsync.
         ``lora_r`` / ``shard_dim`` (FSDP2 placement dim) let a test give ranks bad or differing models;
-        ``restore``: the whole adapter of a checkpoint (``adapter_state``) to resume from (not under EP)."""
+        ``restore``: the whole adapter of a checkpoint (``adapter_state``) to resume from (not under EP);
+        ``dtype``: the torch dtype name the base is loaded in (the engines' dtype)."""
         import torch.distributed as dist
         from peft import get_peft_model
         from transformers import AutoModelForCausalLM
@@ -98,7 +99,7 @@ class ExampleTrainingRank:
         dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.world,
                                 timeout=timedelta(seconds=120))
         self.mode, self._step = mode, 0
-        base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+        base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=getattr(torch, dtype))
         if mode == "ep":
             _localize_experts(base, self.rank, self.world)
         self.peft = get_peft_model(base, lora_config(lora_r))

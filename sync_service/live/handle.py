@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["EndpointHandle", "register", "unregister"]
+__all__ = ["EndpointHandle", "lookup", "register", "unregister"]
 
 _REGISTRY: dict[str, Any] = {}
 """Endpoint id → ``TrainerEndpoint`` of this process (what ``__ray_call__`` dispatches to)."""
@@ -34,8 +34,8 @@ def unregister(endpoint_id: str) -> None:
         _REGISTRY.pop(endpoint_id, None)
 
 
-def _dispatch(_actor, endpoint_id: str, method: str, *args, **kwargs):
-    """Runs in the training process: ``endpoint.<method>(*args, **kwargs)``.
+def lookup(endpoint_id: str):
+    """The ``TrainerEndpoint`` registered in this process under ``endpoint_id``.
 
     Raises:
         LookupError: no endpoint ``endpoint_id`` here (detached, or the process restarted: attach again).
@@ -45,7 +45,12 @@ def _dispatch(_actor, endpoint_id: str, method: str, *args, **kwargs):
     if endpoint is None:
         raise LookupError(f"no weightsync endpoint {endpoint_id!r} in this training process; it was detached or the "
                           f"process restarted — call attach_trainer again and give the coordinator the new handles")
-    return getattr(endpoint, method)(*args, **kwargs)
+    return endpoint
+
+
+def _dispatch(_actor, endpoint_id: str, method: str, *args, **kwargs):
+    """Runs in the training process: ``endpoint.<method>(*args, **kwargs)`` (``lookup``'s errors)."""
+    return getattr(lookup(endpoint_id), method)(*args, **kwargs)
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ REPEATS = 3
 def report(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench")
     out, plot = tmp / "bench.json", tmp / "bench.png"
-    rc = main(["bench", "--quick", "--sizes", "1,2", "--gather-max-size", "1", "--repeats", str(REPEATS), "--bucket-mb", "1",
+    rc = main(["bench", "--quick", "--sizes", "1,2", "--gather-max-size", "1", "--live-max-size", "1", "--repeats", str(REPEATS), "--bucket-mb", "1",
                "--cache-dir", str(tmp / "cache"), "--timeout", "300", "--json", str(out), "--plot", str(plot)])
     assert rc == 0
     assert plot.stat().st_size > 1000 and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -45,6 +45,8 @@ def test_every_row_ran_per_size_plan(report):
     assert by[("delta", 1)]["bytes"] < by[("full", 1)]["bytes"] == by[("gather", 1)]["bytes"]
     assert by[("floor", 1)]["bytes"] == by[("delta", 1)]["bytes"]
     assert set(by[("delta", 1)]["stages"]) >= {"gather_s", "merge_s", "pack_s", "transfer_s", "apply_s"}
+    live = by[("live_fsdp2", 1)]  # a real FSDP2 job: LoRA on q/v + experts, so a delta below the full sync
+    assert live["engines"] == 1 and 0 < live["bytes"] < by[("full", 1)]["bytes"] and live["trainer_gathered_bytes"] > 0
 
 
 @pytest.mark.timeout(1200)
@@ -59,6 +61,9 @@ def test_json_shape_and_ratios(report):
     assert set(report["gather_trainer_peak_extra_bytes"]) == {"1"}
     assert report["bucket_bytes"] == 1 << 20
     assert report["trainer_budget_bytes"]["1"] == 2 * (1 << 20) + report["factor_bytes"]["1"]
+    live = report["goals"]["live_trainer_memory"]
+    assert set(live["value"]) == {"1"} and live["met"] is True
+    assert live["budget"]["1"] == 2 * (1 << 20) + by[("live_fsdp2", 1)]["trainer_gathered_bytes"]
     fs = report["factor_streaming"]
     assert isinstance(fs["bytes"], int) and isinstance(fs["merged_bytes"], int) and fs["bytes"] < fs["merged_bytes"]
     assert isinstance(fs["seconds"], float) and fs["bitwise_equal"] is True
