@@ -18,11 +18,22 @@ from pathlib import Path
 from sync_service.sync_cli import RunConfig, VersionRow, print_row, run_and_report, start_ray
 from sync_service.progress import Steps
 
-__all__ = ["run_trainer_demo", "peft_reference"]
+__all__ = ["run_trainer_demo", "peft_reference", "save_adapter"]
 
 WORLD = 2
 PROMPTS = ([5, 9, 14, 3], [7, 7, 21])
 NEW_TOKENS = 8
+
+
+def save_adapter(adapter: dict, peft_config, out_dir: Path) -> Path:
+    """Write ``adapter`` (PEFT keys → torch tensors, e.g. gathered from the ranks) with ``peft_config``
+    as a PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``); returns it."""
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    peft_config.save_pretrained(str(out_dir))
+    save_file({k: v.contiguous() for k, v in adapter.items()}, str(out_dir / "adapter_model.safetensors"))
+    return out_dir
 
 
 def peft_reference(base_dir: Path, adapter: dict, peft_config, out_dir: Path) -> dict:
@@ -30,13 +41,9 @@ def peft_reference(base_dir: Path, adapter: dict, peft_config, out_dir: Path) ->
     base dtype, saved with ``save_pretrained`` to ``out_dir``; returns its in-memory state dict."""
     import torch
     from peft import PeftModel
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    adapter_dir = out_dir / "adapter"
-    adapter_dir.mkdir(parents=True, exist_ok=True)
-    peft_config.save_pretrained(str(adapter_dir))
-    save_file({k: v.contiguous() for k, v in adapter.items()}, str(adapter_dir / "adapter_model.safetensors"))
+    adapter_dir = save_adapter(adapter, peft_config, out_dir / "adapter")
     model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float64)
     dtype = AutoModelForCausalLM.from_pretrained(str(base_dir)).dtype
     merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload().to(dtype)

@@ -46,14 +46,11 @@ def adapter_of(ranks) -> dict[str, torch.Tensor]:
 def peft_merged(base_dir: Path, adapter: dict[str, torch.Tensor], tmp: Path) -> dict[str, torch.Tensor]:
     """Oracle: PEFT ``merge_and_unload`` in float64 of base + ``adapter``, cast once to the base dtype;
     in-memory (hf-fused) names, as the engines hold them."""
-    from safetensors.torch import save_file
-
+    from sync_service.live.demo import save_adapter
     from tests.merge.conftest import base_dtype, peft_merged_model
     from tests.trainer.harness import lora_config
 
-    tmp.mkdir(parents=True, exist_ok=True)
-    lora_config().save_pretrained(str(tmp))
-    save_file({k: v.contiguous() for k, v in adapter.items()}, str(tmp / "adapter_model.safetensors"))
+    save_adapter(adapter, lora_config(), tmp)
     merged = peft_merged_model(base_dir, tmp).to(base_dtype(base_dir))
     return {k: v.detach() for k, v in merged.state_dict().items()}
 
