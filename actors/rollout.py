@@ -86,6 +86,9 @@ class RolloutEngineCore:
         updater = self._updater_for(plan)
         receiver = BucketReceiver(updater, plan, receiver=request.index, secret=request.secret)
         self._channels[request.owner] = (transport, receiver, None if updater is self.engine else updater)
+        reserve = getattr(self.engine, "reserve_staging", None)  # staging touched now, not inside the first sync
+        if reserve is not None:
+            reserve(list(dict.fromkeys(e.recipe.target if e.recipe is not None else e.name for e in plan.entries)))
 
     def _updater_for(self, plan: SyncPlan):
         """The engine itself, or for a factor plan the ``FactorEngine`` over it (kept across channel

@@ -1,10 +1,12 @@
 """Our rows: delta and full syncs through ``WeightSync`` (shm), 2 trainer shards -> 1 and -> 4 engines.
 
 Per size: start the trainer shards (EP) and one transformers engine, then
-  1. ``delta``: one untimed first full sync, then ``repeats`` delta syncs, each after a training step;
-  2. ``full`` (sizes the plan allows): a second ``WeightSync`` with ``delta=False`` on the same actors,
-     ``repeats`` full syncs;
-  3. ``delta_fanout4`` (sizes the plan allows): ``fanout - 1`` more engines, a third ``WeightSync``
+  1. ``delta`` and ``full`` side by side: one ``WeightSync`` with ``delta=True`` and (sizes the plan
+     allows) one with ``delta=False`` on the same actors, each with one untimed first sync (a delta
+     ``WeightSync``'s first push is full; the first push of a channel maps its ring), then
+     ``repeats`` rounds of (training step, delta push, training step, full push): the two rows share
+     every minute of the machine's load, so their ratio (``delta_vs_full``) compares work, not noise;
+  2. ``delta_fanout4`` (sizes the plan allows): ``fanout - 1`` more engines, a third ``WeightSync``
      over all of them, one untimed full sync, ``repeats`` delta syncs.
 Every actor is killed at the end. Seconds are ``SyncMetrics.seconds`` (transfer after the snapshot,
 through commit); stages are the median run's ``SyncMetrics`` stage seconds. Trainer extra memory is
@@ -26,64 +28,77 @@ __all__ = ["run_ours"]
 def run_ours(model: BenchModel, cfg: BenchConfig, size: int, rows: list[Row], launcher, say=print) -> None:
     """Append the ours rows at ``size`` to ``rows`` as each finishes (see the module docstring); actors
     from ``launcher``. Blocks; kills its actors (also when a row fails)."""
-    model_bytes = model.shape.bf16_bytes()
     trainers = launcher.start_trainers(model.base_dir, model.adapter_dir, ep=cfg.ep, timeout_s=cfg.timeout_s)
     engines = launcher.start_engines(model.base_dir, 1, timeout_s=cfg.timeout_s)
-    version = [0]
+    run = _Runs(trainers, cfg, size, model.shape.bf16_bytes())
     try:
-        tpids = [actor_pid(t) for t in trainers]
-        say(f"  {size}x delta (1 engine)")
-        rows.append(_row("delta", trainers, engines, tpids, cfg, version, model_bytes, size, delta=True))
-        if cfg.runs("full", size):
-            say(f"  {size}x full (1 engine)")
-            rows.append(_row("full", trainers, engines, tpids, cfg, version, model_bytes, size, delta=False))
+        kinds = {"delta": True, **({"full": False} if cfg.runs("full", size) else {})}
+        say(f"  {size}x {' and '.join(kinds)} (1 engine, pushes interleaved)")
+        rows.extend(run.rows(kinds, engines))
         if cfg.runs("delta_fanout4", size) and cfg.fanout > 1:
             say(f"  {size}x delta ({cfg.fanout} engines)")
             engines += launcher.start_engines(model.base_dir, cfg.fanout - 1, timeout_s=cfg.timeout_s, prefix="fanout")
-            rows.append(_row("delta_fanout4", trainers, engines, tpids, cfg, version, model_bytes, size, delta=True))
+            rows.extend(run.rows({"delta_fanout4": True}, engines))
     finally:
         for actor in [*trainers, *engines]:
             ray.kill(actor)
 
 
-def _row(kind: str, trainers: list, engines: list, tpids: list[int], cfg: BenchConfig, version: list[int],
-         model_bytes: int, size: int, *, delta: bool) -> Row:
-    from sync_service.api import SyncConfig, WeightSync
+class _Runs:
+    """Timed pushes of one size on one set of trainer actors; versions count up across rows."""
 
-    epids = [actor_pid(e) for e in engines]
-    groups = {"trainer": tpids, "engine": epids}
-    metrics, windows = [], []  # windows: one sampler per sync, so the simulated training step is not counted
-    with RssSampler(groups) as rss:
-        with RssSampler(groups) as window:  # setup (transport, plan) and the first sync
-            sync = WeightSync(trainers=trainers, engines=engines, config=SyncConfig(
-                transport="shm", bucket_bytes=cfg.bucket_bytes, timeout_s=cfg.timeout_s, delta=delta))
-            try:
-                if delta:
-                    sync.push(_next(version))  # the first sync of a WeightSync is full
-            except BaseException:
-                sync.close()
-                raise
-        windows.append(window)
+    def __init__(self, trainers: list, cfg: BenchConfig, size: int, model_bytes: int) -> None:
+        self.trainers, self.cfg, self.size, self.model_bytes = trainers, cfg, size, model_bytes
+        self.tpids = [actor_pid(t) for t in trainers]
+        self.version = 0
+
+    def rows(self, kinds: dict[str, bool], engines: list) -> list[Row]:
+        """One row per ``kind -> delta``: a ``WeightSync`` each over ``engines``, one untimed first push
+        each, then ``repeats`` rounds with one push of every kind, in turn."""
+        groups = {"trainer": self.tpids, "engine": [actor_pid(e) for e in engines]}
+        syncs: dict = {}
+        metrics: dict[str, list] = {k: [] for k in kinds}
+        windows: dict[str, list[RssSampler]] = {k: [] for k in kinds}  # one per sync: training steps not counted
         try:
-            for _ in range(cfg.repeats):
-                ray.get([t.train_step.remote(version[0] + 1) for t in trainers], timeout=cfg.timeout_s)
-                with RssSampler(groups) as window:
-                    m = sync.push(_next(version))
-                windows.append(window)
-                if m.full == delta:
-                    raise RuntimeError(f"{kind}: push {m.version} was {'full' if m.full else 'delta'}, expected the other")
-                metrics.append(m)
+            with RssSampler(groups) as rss:
+                for kind, delta in kinds.items():
+                    with RssSampler(groups) as window:  # setup (transport, plan) and the first sync
+                        syncs[kind] = self._open(engines, delta)
+                        syncs[kind].push(self._next())
+                    windows[kind].append(window)
+                for _ in range(self.cfg.repeats):
+                    for kind, delta in kinds.items():
+                        metrics[kind].append(self._push(kind, syncs[kind], delta, groups, windows[kind]))
         finally:
-            sync.close()
-    best = metrics[median_index([m.seconds for m in metrics])]
-    return Row(kind=kind, size=size, model_bytes=model_bytes, bytes=best.bytes, engines=len(engines),
-               seconds=[m.seconds for m in metrics], stages=best.stage_seconds(),
-               trainer_peak_rss_bytes=rss.peak_bytes("trainer"),
-               trainer_peak_extra_bytes=max(w.max_extra_bytes("trainer") for w in windows),
-               trainer_peak_extra_rss_bytes=max(w.max_extra_rss_bytes("trainer") for w in windows),
-               engine_peak_rss_bytes=rss.peak_bytes("engine"))
+            for sync in syncs.values():
+                sync.close()
+        return [self._row(kind, metrics[kind], windows[kind], rss, len(engines)) for kind in kinds]
 
+    def _open(self, engines: list, delta: bool):
+        from sync_service.api import SyncConfig, WeightSync
 
-def _next(version: list[int]) -> int:
-    version[0] += 1
-    return version[0]
+        return WeightSync(trainers=self.trainers, engines=engines, config=SyncConfig(
+            transport="shm", bucket_bytes=self.cfg.bucket_bytes, timeout_s=self.cfg.timeout_s, delta=delta))
+
+    def _push(self, kind: str, sync, delta: bool, groups: dict, windows: list):
+        """A training step, then one timed push (its memory window appended to ``windows``)."""
+        ray.get([t.train_step.remote(self.version + 1) for t in self.trainers], timeout=self.cfg.timeout_s)
+        with RssSampler(groups) as window:
+            m = sync.push(self._next())
+        windows.append(window)
+        if m.full == delta:
+            raise RuntimeError(f"{kind}: push {m.version} was {'full' if m.full else 'delta'}, expected the other")
+        return m
+
+    def _row(self, kind: str, metrics: list, windows: list[RssSampler], rss: RssSampler, engines: int) -> Row:
+        best = metrics[median_index([m.seconds for m in metrics])]
+        return Row(kind=kind, size=self.size, model_bytes=self.model_bytes, bytes=best.bytes, engines=engines,
+                   seconds=[m.seconds for m in metrics], stages=best.stage_seconds(),
+                   trainer_peak_rss_bytes=rss.peak_bytes("trainer"),
+                   trainer_peak_extra_bytes=max(w.max_extra_bytes("trainer") for w in windows),
+                   trainer_peak_extra_rss_bytes=max(w.max_extra_rss_bytes("trainer") for w in windows),
+                   engine_peak_rss_bytes=rss.peak_bytes("engine"))
+
+    def _next(self) -> int:
+        self.version += 1
+        return self.version

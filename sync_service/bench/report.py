@@ -14,6 +14,7 @@ __all__ = ["GOALS", "build_report", "markdown_table", "write_plot"]
 # ratio -> (numerator row, denominator row, goal as (op, bound))
 GOALS = {
     "delta_vs_floor": ("delta", "floor", ("<=", 2.0)),
+    "delta_vs_full": ("delta", "full", ("<=", 1.0)),
     "disk_vs_delta": ("disk", "delta", (">=", 10.0)),
     "gather_vs_delta": ("gather", "delta", (">=", 3.0)),
     "fanout4_vs_fanout1": ("delta_fanout4", "delta", ("<=", 1.5)),

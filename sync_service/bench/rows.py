@@ -36,9 +36,9 @@ class BenchConfig:
     """Trainer shards (expert parallel) of ours and the full-gather row."""
     fanout: int = 4
     """Engines of the fan-out row."""
-    full_max_size: int = 2
-    """The full-sync row runs at sizes <= this (memory: with the delta row it is what an engine at 4x can
-    not hold next to two trainers on a 24 GiB machine; the delta row covers 4x)."""
+    full_max_size: int = 4
+    """The full-sync row runs at sizes <= this (it shares the delta row's actors and the engine's staging;
+    it adds one shm ring per trainer)."""
     fanout_max_size: int = 1
     """The fan-out row runs at sizes <= this (memory: every engine holds the model twice)."""
     gather_max_size: int = 2

@@ -50,6 +50,11 @@ class MemoryEngine:
         self._staging.begin(version, names)
         self._finished = False
 
+    def reserve_staging(self, names: Sequence[str]) -> int:
+        """Allocate and touch the staging buffers of ``names`` (``Staging.reserve``; unknown names are
+        skipped). Returns bytes allocated."""
+        return self._staging.reserve([n for n in names if n in self._served])
+
     def apply(self, name: str, box: Box, data: torch.Tensor) -> None:
         """Raises as ``Staging.apply``."""
         self._staging.apply(name, box, data)

@@ -56,6 +56,9 @@ def test_json_shape_and_ratios(report):
     for name, (num, den, _) in GOALS.items():
         assert report["ratios"][name] == pytest.approx(by[(num, 1)]["median_s"] / by[(den, 1)]["median_s"])
         assert report["goals"][name]["met"] in (True, False)
+    for size in (1, 2):  # delta and full run interleaved at every size: their ratio is in every size's ratios
+        assert report["ratios_by_size"][str(size)]["delta_vs_full"] == pytest.approx(
+            by[("delta", size)]["median_s"] / by[("full", size)]["median_s"])
     assert set(report["trainer_peak_extra_bytes"]) == {"1", "2"}
     assert all(isinstance(v, int) for v in report["trainer_peak_extra_bytes"].values())
     assert set(report["gather_trainer_peak_extra_bytes"]) == {"1"}
