@@ -10,7 +10,9 @@ later factor changes never leak into it.
 
 from __future__ import annotations
 
+import tempfile
 from datetime import timedelta
+from pathlib import Path
 
 import numpy as np
 import ray
@@ -90,17 +92,30 @@ class TrainerShardCore:
             self.spec = ShardSpec(rank=reconfigure.get("rank", self.spec.rank), ep=reconfigure.get("ep", self.spec.ep),
                                   tp=reconfigure.get("tp", self.spec.tp))
         self.state, self._full_shapes = None, {}
+        base_dir, adapter_dir = self._hf_inputs()  # before the group: transformers saves only on rank 0 of one
         if self.spec.world_size > 1:
             self._init_group(host, port, timeout_s)
-        self.state = TrainerState.from_checkpoint(self._init["base_dir"], self._init["adapter_dir"], self.spec,
+        self.state = TrainerState.from_checkpoint(base_dir, adapter_dir, self.spec,
                                                   gather_timeout_s=self._init["gather_timeout_s"])
         self.endpoint = TrainerEndpoint(self.state, rank=self.spec.rank, source_for=self._source_for)
-        if self._init["adapter_dir"] is not None:
+        if adapter_dir is not None:
             from safetensors import safe_open
 
-            with safe_open(f"{self._init['adapter_dir']}/adapter_model.safetensors", framework="pt") as f:
+            with safe_open(f"{adapter_dir}/adapter_model.safetensors", framework="pt") as f:
                 self._full_shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
         return len(self.state.owned())
+
+    def _hf_inputs(self) -> tuple[Path, Path | None]:
+        """The base / adapter directories; a torch.distributed.checkpoint directory among them is written as
+        HF directories in this actor's own temp dir first (``merge.dcp.resolve_inputs``, a whole read per rank)."""
+        from sync_service.merge.dcp import is_dcp_dir, resolve_inputs
+
+        base, adapter = Path(self._init["base_dir"]), self._init["adapter_dir"]
+        adapter = None if adapter is None else Path(adapter)
+        if not any(p is not None and is_dcp_dir(p) for p in (base, adapter)):
+            return base, adapter
+        self._dcp_tmp = tempfile.TemporaryDirectory(prefix="wsync-dcp")  # the previous one (if any) is removed
+        return resolve_inputs(base, adapter, Path(self._dcp_tmp.name))
 
     # -- the endpoint calls (sync_service.live.endpoint.TrainerEndpoint) -------------------
     def owned_metas(self) -> tuple[ParamMeta, ...]:

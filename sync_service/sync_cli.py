@@ -19,6 +19,7 @@ import shutil
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -125,14 +126,12 @@ def run_local(cfg: RunConfig, launcher) -> list[VersionRow]:
     tmp = Path(tempfile.mkdtemp(prefix="wsync"))
     work = cfg.work_dir or tmp / "work"
     rows: list[VersionRow] = []
-    steps = Steps(4 + 2 * cfg.versions)
+    steps = Steps(3 + 2 * cfg.versions)
     try:
         steps.step("starting a local Ray (2 CPUs)")
         start_ray(tmp / "ray")
-        steps.step(f"starting {cfg.ep * cfg.tp} trainer shard(s) (ep={cfg.ep}, tp={cfg.tp})")
-        trainers = launcher.start_trainers(cfg.base, cfg.adapter, ep=cfg.ep, tp=cfg.tp, timeout_s=cfg.timeout_s)
-        steps.step(f"starting {cfg.engines} engine(s)")
-        engines = launcher.start_engines(cfg.base, cfg.engines, timeout_s=cfg.timeout_s)
+        steps.step(f"starting {cfg.ep * cfg.tp} trainer shard(s) (ep={cfg.ep}, tp={cfg.tp}) and {cfg.engines} engine(s)")
+        trainers, engines = start_actors(cfg, launcher)
         names = [ray.get(e.engine_name.remote()) for e in engines]
         steps.step("planning, validating the plan against every engine")
         sync = WeightSync(trainers=trainers, engines=engines, config=SyncConfig(
@@ -156,6 +155,15 @@ def run_local(cfg: RunConfig, launcher) -> list[VersionRow]:
         ray.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
     return rows
+
+
+def start_actors(cfg: RunConfig, launcher) -> tuple[list, list]:
+    """Trainers and engines of ``cfg``, started at once (their processes import torch and load the base in
+    parallel: one start-up wait instead of two). Blocks until both answer (``cfg.timeout_s`` each)."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="start-engines") as pool:
+        engines = pool.submit(launcher.start_engines, cfg.base, cfg.engines, timeout_s=cfg.timeout_s)
+        trainers = launcher.start_trainers(cfg.base, cfg.adapter, ep=cfg.ep, tp=cfg.tp, timeout_s=cfg.timeout_s)
+        return trainers, engines.result()
 
 
 def announce_metrics(sync) -> None:
@@ -291,6 +299,27 @@ def run(args: argparse.Namespace) -> int:
     for what, path in (("--base", args.base), ("--adapter", args.adapter)):
         if path is not None and not path.is_dir():
             fail(args, f"{what} {path}: not a directory")
+    given = {"base": str(args.base), "adapter": None if args.adapter is None else str(args.adapter)}
+    with tempfile.TemporaryDirectory(prefix="wsync-dcp") as tmp:
+        args.base, args.adapter = hf_inputs(args, Path(tmp))
+        return _run_checked(args, ep, tp, given)
+
+
+def hf_inputs(args: argparse.Namespace, work_dir: Path) -> tuple[Path, Path | None]:
+    """``--base`` / ``--adapter`` with a torch.distributed.checkpoint directory among them written as HF
+    directories under ``work_dir`` (``merge.dcp.resolve_inputs``); exits 2 with one line on a bad one."""
+    from sync_service.merge.dcp import resolve_inputs
+    from sync_service.merge.errors import MergeError
+
+    try:
+        return resolve_inputs(args.base, args.adapter, work_dir)
+    except MergeError as exc:
+        fail(args, str(exc))
+
+
+def _run_checked(args: argparse.Namespace, ep: int, tp: int, given: dict) -> int:
+    """``run`` once the inputs are HF directories: the preflight checks, then the engine kind's runner
+    (``given``: the ``--base`` / ``--adapter`` paths as given, for the report)."""
     check_run_arguments(args)
     if args.vllm_urls:
         from sync_service.engines.vllm_server.preflight import check_servers
@@ -314,5 +343,4 @@ def run(args: argparse.Namespace) -> int:
                     timeout_s=args.timeout, json_path=args.json, check_finite=args.check_finite, secret=secret,
                     metrics_port=args.metrics_port, vllm_urls=tuple(args.vllm_urls),
                     vllm_api_key=args.vllm_api_key or os.environ.get("VLLM_API_KEY"))
-    return execute_engine(cfg, {"base": str(args.base), "adapter": None if args.adapter is None else str(args.adapter)},
-                          args.launcher)
+    return execute_engine(cfg, given, args.launcher)

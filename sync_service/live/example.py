@@ -169,6 +169,26 @@ class ExampleTrainingRank:
             out[key] = t.detach().numpy().copy()
         return out
 
+    def save_checkpoint(self, out_dir: str) -> None:
+        """Save the whole PEFT model as FSDP2 trainers do: ``get_model_state_dict`` of the wrapped model and
+        ``torch.distributed.checkpoint.save`` (every rank writes its own shards; keys are the PEFT model's
+        names), and on rank 0 its ``config.json`` and ``adapter_config.json`` beside them. Collective.
+
+        Raises:
+            ValueError: in ``ep`` mode (each rank's model holds only its expert block).
+        """
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        if self.mode == "ep":
+            raise ValueError("save_checkpoint: the ep mode's ranks hold partial models; use fsdp2 or ddp")
+        dcp.save(get_model_state_dict(self.model), checkpoint_id=out_dir)
+        if self.rank == 0:
+            self.peft.get_base_model().config.save_pretrained(out_dir)
+            self.peft.peft_config["default"].save_pretrained(out_dir)
+        dist.barrier()
+
     def digest(self) -> str:
         """sha256 over every parameter, grad and optimizer-state tensor (local bytes)."""
         h = hashlib.sha256()

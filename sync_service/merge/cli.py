@@ -6,6 +6,8 @@ import argparse
 import json
 import re
 import sys
+import tempfile
+from pathlib import Path
 
 from sync_service.merge.errors import MergeError
 from sync_service.merge.targets import TARGETS
@@ -36,8 +38,10 @@ def parse_staging_size(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base", required=True, help="base checkpoint directory (config.json + *.safetensors)")
-    parser.add_argument("--adapter", required=True, help="PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors)")
+    parser.add_argument("--base", required=True, help="base checkpoint directory (config.json + *.safetensors), or a "
+                                                      "torch.distributed.checkpoint directory with its config.json (docs/merge.md)")
+    parser.add_argument("--adapter", required=True, help="PEFT LoRA adapter directory (adapter_config.json + adapter_model"
+                                                         ".safetensors), or a DCP directory of the PEFT model (docs/merge.md)")
     parser.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
     parser.add_argument("--target", default="hf", choices=sorted(TARGETS), help="output naming (default: hf, as save_pretrained)")
     parser.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"], help="output dtype (default: the base's)")
@@ -52,6 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from sync_service.merge.dcp import resolve_inputs
     from sync_service.merge.export import merge_checkpoint
 
     if args.threads < 1:
@@ -59,11 +64,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     torch.set_num_threads(args.threads)
     try:
-        summary = merge_checkpoint(
-            args.base, args.adapter, args.out, target=args.target, dtype=args.dtype,
-            max_shard_bytes=args.max_shard_size, staging_bytes=args.staging_size,
-            progress=False if args.no_progress else None,
-        )
+        with tempfile.TemporaryDirectory(prefix="wsync-dcp") as tmp:
+            base, adapter = resolve_inputs(Path(args.base), Path(args.adapter), Path(tmp))
+            summary = merge_checkpoint(
+                base, adapter, args.out, target=args.target, dtype=args.dtype,
+                max_shard_bytes=args.max_shard_size, staging_bytes=args.staging_size,
+                progress=False if args.no_progress else None,
+            )
     except MergeError as exc:
         print(f"weightsync merge: error: {exc}", file=sys.stderr)
         return 2

@@ -62,7 +62,13 @@ def config_object(config: Mapping[str, Any] | Any):
                          f"({type(err).__name__}: {_one_line(err)})") from None
 
 
-def _model_class(config):
+def model_class(config) -> type:
+    """The transformers class of ``config``: the first of its ``architectures`` transformers has, else the
+    causal-LM or image-text-to-text auto class of its config type.
+
+    Raises:
+        MergeError: transformers has no such class (names the family).
+    """
     import transformers
 
     for arch in _get(config, "architectures") or []:
@@ -86,7 +92,7 @@ def meta_model(config) -> torch.nn.Module:
     Raises:
         MergeError: transformers cannot build it from this config (names the family and the error).
     """
-    cls = _model_class(config)
+    cls = model_class(config)
     try:
         with torch.device("meta"):
             return cls._from_config(config)
@@ -305,7 +311,7 @@ def _kept_fp32_cached(config_json: str) -> frozenset[str]:
 
     config = config_object(json.loads(config_json))
     dtype = getattr(torch, str(_get(config, "dtype") or _get(config, "torch_dtype") or "float32").removeprefix("torch."))
-    cls = _model_class(config)
+    cls = model_class(config)
     with torch.device("meta"):
         model = cls._from_config(config, dtype=dtype)  # modules built in fp32 explicitly stay fp32 (hunyuan's router)
     built = {n for n, t in model.state_dict().items() if t.dtype == torch.float32 and dtype != torch.float32}

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from sync_service.engines.hf import load_causal_lm
 from sync_service.merge.export import COPIED_FILES
 
 __all__ = ["StateCheck", "checkpoint_state", "compare_state", "model_state", "peft_merged_model", "peft_merged_state", "save_peft_merged", "values_match"]
@@ -43,10 +44,8 @@ def peft_merged_model(base_dir: str | Path, adapter_dir: str | Path | None) -> t
     ``adapter_dir=None``: the base itself (loaded in float64 and cast back: its exact values).
     Eval mode. Raises what transformers / PEFT raise for a base or adapter they cannot load.
     """
-    from transformers import AutoModelForCausalLM
-
     base_dir = Path(base_dir)
-    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float64, use_safetensors=True)
+    model = load_causal_lm(base_dir, dtype=torch.float64)  # the class the checkpoint names (a VL MoE is no causal LM)
     if adapter_dir is not None:
         from peft import PeftModel
 

@@ -7,6 +7,11 @@ persistent buffer (``mlp.gate.e_score_correction_bias``): carried by the full sy
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -138,16 +143,28 @@ def replay_changed(base, reference: dict[str, torch.Tensor]) -> list[str]:
     return [n for n, t in reference.items() if not torch.equal(provider.read(n, full_box(tuple(t.shape))), t)]
 
 
-@pytest.mark.cli
-def test_cli_syncs_deepseek_v3_with_its_buffer(families, tmp_path):
-    """``weightsync sync`` on a bf16 DeepSeek-V3 checkpoint (its fp32 ``e_score_correction_bias`` buffer
-    in the engine) with a LoRA adapter: planning passes, a full then a delta version verify, exit 0."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
+def cli_families() -> list[str]:
+    """One family per distinct derived layout (``golden_layouts.json`` rows without their names: disk form,
+    transpose, orientation, gate/up order, per-expert names, renames), deepseek_v3 first (its buffer). A
+    ``weightsync sync`` run costs ~25 s of start-up alone (Ray, three actor processes), so the families that
+    share a layout row with one of these run through the CLI only in the matrix above."""
+    golden = json.loads((Path(__file__).with_name("golden_layouts.json")).read_text())
+    kinds: dict[tuple, str] = {}
+    for family in sorted(FAMILIES, key=lambda f: f != "deepseek_v3"):
+        row = golden[family]
+        kinds.setdefault((row["disk"], row["disk_transpose"], row["orientation"], row["gate_up_order"],
+                          tuple(row["per_expert_names"]), len(row["disk_renames"])), family)
+    return list(kinds.values())
 
-    base, adapter = families["deepseek_v3"]
+
+@pytest.mark.cli
+@pytest.mark.parametrize("family", cli_families())
+def test_cli_syncs_family(families, tmp_path, family):
+    """``weightsync sync`` (EP=2, one transformers engine) on the family's checkpoint + LoRA adapter: a full
+    then a delta version, each verified by the CLI itself against PEFT's ``merge_and_unload`` (float64, cast
+    once), the ``weightsync merge`` output and the PEFT model's greedy tokens; exit 0. For deepseek_v3 the
+    engine holds the fp32 ``e_score_correction_bias`` buffer of a bf16 checkpoint."""
+    base, adapter = families[family]
     out = tmp_path / "run.json"
     script = Path(sys.executable).with_name("weightsync")
     done = subprocess.run([str(script), "sync", "--base", str(base), "--adapter", str(adapter), "--ep", "2",
@@ -155,4 +172,8 @@ def test_cli_syncs_deepseek_v3_with_its_buffer(families, tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(out.read_text())
-    assert report["ok"] is True and report["ep"] == 2 and len(report["versions"]) == 2, report
+    assert report["ok"] is True and report["ep"] == 2 and [v["full"] for v in report["versions"]] == [True, False]
+    for version in report["versions"]:
+        (engine,) = version["engines"]
+        assert engine["weights_equal_reference"] and engine["weights_equal_merge_output"], (family, engine)
+        assert engine["generations_equal"] and engine["weight_version"] == version["version"], (family, engine)

@@ -119,3 +119,36 @@ def test_restored_trainer_reattaches_and_continues_the_versions(bases, engines, 
     finally:
         for r in restored:
             ray.kill(r)
+
+
+def test_fsdp2_dcp_checkpoint_is_a_merge_and_trainer_input(bases, engines, ranks, tmp_path):
+    """A torch.distributed.checkpoint directory as an FSDP2 trainer saves it (2 gloo ranks, ``fully_shard``
+    PEFT model after an AdamW step, ``get_model_state_dict`` + ``dcp.save``, config.json + adapter_config.json)
+    is both ``--base`` and ``--adapter`` of ``weightsync merge`` and of the trainer shards (EP=2): the merge
+    output and the engines equal PEFT's ``merge_and_unload`` (float64, cast once) of the same weights.
+    Mixtral: its on-disk per-expert ``w1``/``w3``/``w2`` keys come back from the fused in-memory state."""
+    from actors.launch import start_trainers
+    from sync_service.api import SyncConfig, WeightSync
+    from sync_service.cli import main
+    from sync_service.merge.peft_oracle import checkpoint_state
+    from tests.merge.conftest import assert_matches
+
+    family, dcp_dir = "mixtral", tmp_path / "step-1"
+    setup_ranks(ranks, bases[family], "fsdp2")
+    ray.get([r.train_step.remote() for r in ranks], timeout=120)
+    ray.get([r.save_checkpoint.remote(str(dcp_dir)) for r in ranks], timeout=120)
+    assert sorted(p.name for p in dcp_dir.glob("__*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    oracle = peft_merged(bases[family], adapter_of(ranks), tmp_path / "oracle")
+
+    assert main(["merge", "--base", str(dcp_dir), "--adapter", str(dcp_dir), "--out", str(tmp_path / "merged")]) == 0
+    assert_matches(checkpoint_state(tmp_path / "merged"), oracle)
+
+    trainers = start_trainers(dcp_dir, dcp_dir, ep=2)
+    sync = WeightSync(trainers=trainers, engines=engines[family], config=SyncConfig(**CONFIG_KW))
+    try:
+        assert sync.push(100).full
+        assert_engines_hold(engines[family], oracle, what="trainers on a DCP checkpoint")
+    finally:
+        sync.close()
+        for t in trainers:
+            ray.kill(t)

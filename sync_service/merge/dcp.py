@@ -1,0 +1,188 @@
+"""Trainer-native checkpoints: a torch.distributed.checkpoint (DCP) directory as a merge input.
+
+An FSDP2 trainer saves its PEFT model as ``dcp.save(get_model_state_dict(model), checkpoint_id=DIR)``: a
+``.metadata`` file plus one ``__<rank>_0.distcp`` file per rank, keys the PEFT model's own names
+(``base_model.model.…q_proj.base_layer.weight``, ``….lora_A.default.weight``, ``…experts.base_layer.base_layer
+.gate_up_proj``). Beside them the directory must hold the model's ``config.json`` (``model.config
+.save_pretrained(DIR)``) and, for the adapter, ``adapter_config.json`` (``peft_config.save_pretrained(DIR)``).
+
+``hf_dirs`` turns such a directory into the directories every other part of weightsync reads (a
+``save_pretrained`` base, a PEFT adapter) by transformers' and PEFT's own code: the model is built from
+``config.json`` in the dtype the checkpoint holds, wrapped by PEFT, loaded from the DCP state (strict: a
+missing or unexpected key is an error), then the adapter is written by ``PeftModel.save_pretrained`` and
+the base by ``unload()`` + ``save_pretrained`` — the on-disk layout is the family's own, so the merge and
+its PEFT oracle see exactly what a trainer saving HF files would have written. Memory: the whole state once.
+
+``.metadata`` is a pickle; it is read by an unpickler that only builds DCP's metadata records, ``torch.Size``
+and dtypes (anything else is refused), never by ``pickle.load``.
+"""
+
+from __future__ import annotations
+
+import pickle
+import shutil
+from pathlib import Path
+
+import torch
+
+from sync_service.merge.errors import MergeError
+
+__all__ = ["hf_dirs", "is_dcp_dir", "read_dcp_state", "resolve_inputs"]
+
+METADATA = ".metadata"
+_ALLOWED = {  # module → names the ``.metadata`` pickle of torch 2.13's FileSystemWriter refers to
+    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                              "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
+                                              "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+def is_dcp_dir(path: str | Path) -> bool:
+    """``path`` is a directory holding a DCP ``.metadata`` file."""
+    return (Path(path) / METADATA).is_file()
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if name in _ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refused global {module}.{name}")
+
+
+def _reader(path: Path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class SafeMetadataReader(FileSystemReader):
+        """``FileSystemReader`` whose ``.metadata`` is read by the allow-list unpickler."""
+
+        def read_metadata(self, *args, **kwargs):
+            with (Path(self.path) / METADATA).open("rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                from torch.distributed.checkpoint.metadata import StorageMeta
+
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeMetadataReader(str(path))
+
+
+def read_dcp_state(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the DCP checkpoint at ``path``, whole (the ranks' shards joined by DCP), in the
+    dtypes it holds. Reads in this process, no process group.
+
+    Raises:
+        MergeError: no ``.metadata``, a metadata pickle naming anything but DCP records, non-tensor entries,
+            or data files DCP cannot read (the message names the directory and the error).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = Path(path)
+    reader = _reader(path)
+    try:
+        metadata = reader.read_metadata()
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, TypeError) as exc:
+        raise MergeError(f"{path / METADATA}: not a torch.distributed.checkpoint metadata file ({exc}); "
+                         f"save the checkpoint with torch.distributed.checkpoint.save") from None
+    entries = metadata.state_dict_metadata
+    others = sorted(k for k, m in entries.items() if not isinstance(m, TensorStorageMetadata))
+    if others:
+        raise MergeError(f"{path}: holds non-tensor entries {others[:3]}; save only the model state "
+                         f"(get_model_state_dict), not the optimizer or trainer state")
+    state = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in entries.items()}
+    try:
+        dcp.load(state, storage_reader=_reader(path), no_dist=True)
+    except Exception as exc:  # noqa: BLE001 - DCP wraps every read error in its own exception types
+        raise MergeError(f"{path}: torch.distributed.checkpoint cannot read it ({type(exc).__name__}: "
+                         f"{' '.join(str(exc).split())[:300]})") from None
+    return state
+
+
+def _model(path: Path, state: dict[str, torch.Tensor]):
+    """The model of ``path``'s ``config.json`` — wrapped by PEFT when ``adapter_config.json`` is there —
+    holding ``state`` (every key, nothing else), built in the dtype of the checkpoint's base tensors."""
+    import transformers
+
+    from sync_service.merge.derive import model_class
+
+    if not (path / "config.json").is_file():
+        raise MergeError(f"{path}: a DCP checkpoint without config.json; save it beside the checkpoint "
+                         f"(model.config.save_pretrained(DIR))")
+    config = transformers.AutoConfig.from_pretrained(str(path))
+    dtypes = {t.dtype for k, t in state.items() if ".lora_" not in k}
+    model = model_class(config)._from_config(config, dtype=dtypes.pop() if len(dtypes) == 1 else torch.float32)
+    if (path / "adapter_config.json").is_file():
+        from peft import PeftConfig, get_peft_model
+
+        model = get_peft_model(model, PeftConfig.from_pretrained(str(path)))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise MergeError(f"{path}: the DCP state is not the {type(model).__name__} of its config.json"
+                         f"{' + adapter_config.json' if hasattr(model, 'peft_config') else ''}: missing "
+                         f"{sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}; save "
+                         f"get_model_state_dict(model) of that very model (and its adapter_config.json if a PEFT model)")
+    return model
+
+
+def hf_dirs(path: str | Path, out_dir: str | Path) -> tuple[Path, Path | None]:
+    """Write the DCP checkpoint at ``path`` as ``out_dir/base`` (``save_pretrained``: the family's on-disk
+    layout, the checkpoint's dtype, with ``path``'s tokenizer / generation files) and, for a PEFT model,
+    ``out_dir/adapter`` (``PeftModel.save_pretrained``). Returns (base dir, adapter dir or ``None``).
+    Call it outside a torch.distributed process group: within one, transformers writes only on rank 0.
+
+    Raises:
+        MergeError: as ``read_dcp_state``; no ``config.json``; state keys that are not the model's.
+    """
+    from sync_service.merge.export import COPIED_FILES
+
+    from transformers.utils import logging as hf_logging
+
+    path, out = Path(path), Path(out_dir)
+    model = _model(path, read_dcp_state(path))
+    adapter = None
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar in a command's output
+    try:
+        if hasattr(model, "peft_config"):
+            adapter = out / "adapter"
+            model.save_pretrained(str(adapter))
+            model = model.unload()
+        model.save_pretrained(str(out / "base"))
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    for name in COPIED_FILES:
+        if (path / name).is_file():
+            shutil.copy2(path / name, out / "base" / name)
+    return out / "base", adapter
+
+
+def resolve_inputs(base: Path, adapter: Path | None, work_dir: Path) -> tuple[Path, Path | None]:
+    """``(base, adapter)`` with every DCP directory among them written as HF directories under ``work_dir``
+    (``hf_dirs``); other directories are returned as they are. The same DCP directory may be both.
+
+    Raises:
+        MergeError: as ``hf_dirs``; an ``--adapter`` DCP of a model without ``adapter_config.json``.
+    """
+    converted: dict[Path, tuple[Path, Path | None]] = {}
+    for i, path in enumerate(p for p in (base, adapter) if p is not None and is_dcp_dir(p)):
+        if Path(path) not in converted:
+            converted[Path(path)] = hf_dirs(path, Path(work_dir) / f"dcp{i}")
+    if base is not None and Path(base) in converted:
+        base = converted[Path(base)][0]
+    if adapter is not None and Path(adapter) in converted:
+        adapter_dir = converted[Path(adapter)][1]
+        if adapter_dir is None:
+            raise MergeError(f"--adapter {adapter}: a DCP checkpoint of a model without adapter_config.json; "
+                             f"save peft_config.save_pretrained(DIR) beside it")
+        adapter = adapter_dir
+    return base, adapter
