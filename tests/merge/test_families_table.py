@@ -2,7 +2,8 @@
 
 Rows: every family of the golden layout rows; layout columns from the derived rows; a format column is
 ticked only where ``test_oracle_matrix`` runs that adapter kind for the family (exact vs PEFT, fp32 and
-bf16), the sync column only where ``test_sync_families`` syncs it (EP=2, full + delta). Rewrite with::
+bf16), the sync column only where ``test_sync_families`` syncs it (EP=2, full + delta), the CLI column where
+it runs ``weightsync sync`` on it (``cli_families``: one family per distinct layout row). Rewrite with::
 
     python -m tests.merge.test_families_table --write
 """
@@ -18,6 +19,7 @@ from sync_service.synthetic import build_config
 from tests.merge.test_golden_layouts import GOLDEN
 from tests.merge.test_oracle_matrix import CASES as MERGE_CASES
 from tests.merge.test_sync_families import FAMILIES as SYNCED
+from tests.merge.test_sync_families import cli_families
 
 README = Path(__file__).parents[2] / "README.md"
 BEGIN, END = "<!-- families-table:begin (tests/merge/test_families_table.py) -->", "<!-- families-table:end -->"
@@ -49,12 +51,14 @@ def table() -> str:
         family, kind = case.values[0], case.values[1]
         kinds.setdefault(family, set()).add(kind)
     lines = ["| family | experts in memory | on disk (`save_pretrained`) | dense LoRA | `target_parameters` | "
-             "legacy per-expert | sync EP=2 |", "|---|---|---|---|---|---|---|"]
+             "legacy per-expert | sync EP=2 | `weightsync sync` |", "|---|---|---|---|---|---|---|---|"]
+    by_cli = cli_families()
     for family, row in sorted(rows.items()):
         name = family + (" (hand row)" if row["source"] == "hand" else "")
         ticks = ["✓" if k in kinds.get(family, ()) else "—" for k in _KINDS]
         synced = "✓" if family in SYNCED else "—"
-        lines.append(f"| {name} | {_memory(row)} | {_disk(family, row)} | {' | '.join(ticks)} | {synced} |")
+        cli = "✓" if family in by_cli else "—"
+        lines.append(f"| {name} | {_memory(row)} | {_disk(family, row)} | {' | '.join(ticks)} | {synced} | {cli} |")
     return "\n".join(lines)
 
 
