@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -84,6 +85,31 @@ def slow_fill(actor, delay_s: float) -> None:
     state = actor._state()
     plain = type(state).source.__get__(state)
     state.source = lambda version: SlowSource(plain(version), delay_s)
+
+
+class GatedSource(SlowSource):
+    """A WeightSource whose ``fill`` waits until the file ``gate/open`` exists (after creating ``gate/reached``):
+    holds a sync in flight, Begin sent, until the test opens the gate. Raises TimeoutError after ``timeout_s``."""
+
+    def __init__(self, inner, gate: str, timeout_s: float):
+        super().__init__(inner, 0.0)
+        self.gate, self.timeout_s = Path(gate), timeout_s
+
+    def fill(self, name, box, out):
+        (self.gate / "reached").touch()
+        end = time.monotonic() + self.timeout_s
+        while not (self.gate / "open").exists():
+            if time.monotonic() > end:
+                raise TimeoutError(f"gate {self.gate} was not opened within {self.timeout_s:.0f} s")
+            time.sleep(0.05)
+        self.inner.fill(name, box, out)
+
+
+def gate_fill(actor, gate: str, timeout_s: float = 300.0) -> None:
+    """This trainer's next syncs wait in their first ``fill`` until ``gate/open`` exists (see ``GatedSource``)."""
+    state = actor._state()
+    plain = type(state).source.__get__(state)
+    state.source = lambda version: GatedSource(plain(version), gate, timeout_s)
 
 
 def heal_trainer(actor) -> None:

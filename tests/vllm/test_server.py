@@ -1,19 +1,20 @@
 """A stock vLLM server as a rollout engine (``actors.vllm_server.VLLMServer``), end to end.
 
 One fp32 server subprocess on loopback, started with the weightsync backend; 2 EP trainer shards and
-one transformers engine push 3 versions to it. After each, the server's ``/v1/completions`` greedy
+one transformers engine push two versions to it (full, then delta). After each, the server's ``/v1/completions`` greedy
 tokens equal, and its logprobs are within ``LOGPROB_ATOL`` of, those of a fresh server (no backend) on
 PEFT's merged checkpoint of that version (``merge_and_unload`` in float64, cast once to fp32); requests
 running during a push each come from one version with that version's tokens; the first request after a
-commit finds nothing in the prefix cache (a repeat does). The fresh servers also serve the bad-input case "server without the backend". Then: an unreachable URL, a plan that
-does not fit (bf16 trainers, fp32 server) refused before any byte, and the server killed before a
-push: the push names it and the transformers engine commits.
+commit finds nothing in the prefix cache (a repeat does). The fresh servers also serve the bad-input
+case "server without the backend". Then: an unreachable URL, a plan that does not fit (bf16 trainers,
+fp32 server) refused before any byte; the server killed during the third push (held by a gate in the
+trainers once the server is in it): the push names it and the transformers
+engine commits; a server restarted on the base joins with a full peer copy and serves that version.
 """
 
 from __future__ import annotations
 
 import base64
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -38,33 +39,21 @@ LOGPROB_ATOL = 1e-4  # nats; the versions' logprobs differ by far more (their to
 START_TIMEOUT_S = 600.0  # a loaded 2-core machine starts a server in 30-150 s
 
 
-def _peft_merged(base: Path, adapter: Path, out: Path) -> Path:
-    """PEFT's merge of ``adapter`` into ``base`` in float64, cast once to ``DTYPE``, saved with the base's tokenizer."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float64)
-    merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload().to(getattr(torch, DTYPE))
-    merged.save_pretrained(str(out))
-    for f in base.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
-            shutil.copy(f, out / f.name)
-    return out
-
-
-def _oracle(base: Path, adapter: Path, work: Path) -> tuple[dict[int, list[dict]], str | None]:
-    """Greedy completions of a fresh server (no backend) on each version's PEFT merge; plus the
-    error a ``VLLMServerEngine`` raises on such a server."""
+def _oracle(base: Path, adapter: Path, work: Path, *, versions: int = VERSIONS,
+            dtype: str = DTYPE) -> tuple[dict[int, list[dict]], str | None]:
+    """Greedy completions of a fresh ``dtype`` server (no backend) on each version's PEFT merge (float64,
+    cast once to the base's dtype); plus the error a ``VLLMServerEngine`` raises on such a server."""
     from sync_service.engines.vllm_server import ServerSetupError, VLLMServerConfig, VLLMServerEngine
     from sync_service.engines.vllm_server.launch import LocalServer
     from sync_service.local import AdapterReplay
+    from sync_service.merge.peft_oracle import save_peft_merged
 
     replay, expected, setup_error = AdapterReplay(adapter), {}, None
-    for v in range(VERSIONS):
+    for v in range(versions):
         if v:
             replay.step(v)
-        merged = _peft_merged(base, replay.save(work / f"v{v}" / "adapter"), work / f"v{v}" / "merged")
-        with LocalServer.start(merged, dtype=DTYPE, timeout_s=START_TIMEOUT_S, with_backend=False, log_dir=work,
+        merged = save_peft_merged(base, replay.save(work / f"v{v}" / "adapter"), work / f"v{v}" / "merged")
+        with LocalServer.start(merged, dtype=dtype, timeout_s=START_TIMEOUT_S, with_backend=False, log_dir=work,
                                extra_args=SERVER_ARGS) as srv:
             if setup_error is None:
                 with pytest.raises(ServerSetupError) as err:
@@ -132,6 +121,94 @@ def _assert_logprobs_close(got: list[dict], want: list[dict], version: int) -> N
     assert diff <= LOGPROB_ATOL, f"version {version}: logprobs differ by up to {diff:.2e} from the fresh server's"
 
 
+def _push_and_check(sync, engine, url: str, trainers, v: int, expected: dict) -> None:
+    """Push version ``v`` with requests running through it; check them, the prefix cache and the served outputs."""
+    if v:
+        ray.get([t.train_step.remote(v) for t in trainers], timeout=120)
+    pushing, during = threading.Event(), []
+    pushing.set()
+    client = threading.Thread(target=_generate_while, args=(url, list(PROMPTS[0]), pushing, during))
+    if v:
+        client.start()
+        while not during and client.is_alive():  # one request before the push: the thread runs
+            time.sleep(0.05)
+    try:
+        metrics = sync.push(v)
+    finally:
+        pushing.clear()
+        if v:
+            client.join(timeout=300)
+    assert metrics.full == (v == 0) and all(e.committed for e in metrics.engines)
+    assert sync.engine_versions() == {"server0": v, "hf0": v}
+    _check_one_version_each(during, {str(u): expected[u][0]["tokens"] for u in (v - 1, v) if u >= 0}, v)
+    first = _plain(url, LONG)  # the first request after the commit: nothing cached from before
+    assert first["cached"] == 0, f"version {v}: {first['cached']} prompt tokens from a stale prefix cache"
+    _check_served(engine, expected, v, extra=(first, expected[v][-1]))
+    again = _plain(url, LONG)  # the cache works within a version (so the check above can fail)
+    assert again["cached"] >= 64 and again["tokens"] == first["tokens"], again
+
+
+def _check_served(engine, expected: dict, v: int, extra: tuple = ()) -> None:
+    """The server's greedy tokens equal the fresh server's on version ``v``; logprobs within ``LOGPROB_ATOL``."""
+    got = ray.get(engine.complete.remote([list(p) for p in PROMPTS], MAX_NEW_TOKENS), timeout=120)
+    assert [g["tokens"] for g in got] == [e["tokens"] for e in expected[v]], f"version {v}: tokens differ"
+    _assert_logprobs_close(got + list(extra[:1]), expected[v] + list(extra[1:]), v)
+
+
+def _in_push(client) -> bool:
+    """Whether the server took part in the push: paused for it, or busy inside ``/update_weights`` (vLLM's
+    engine core answers ``/is_paused`` only between its steps, so a receive in progress leaves it unanswered)."""
+    from sync_service.engines.vllm_server import ServerUnreachableError
+
+    try:
+        return bool(client.get("/is_paused")["is_paused"])
+    except ServerUnreachableError:
+        return True
+
+
+def _kill_mid_push_and_rejoin(sync, server, trainers, v: int, expected: dict, tmp_path: Path):
+    """Kill the server while push ``v`` is held in the trainers (``inject.gate_fill``) and the server is in it
+    (paused, receiving): the push names it and the transformers engine commits. A server restarted on the
+    base checkpoint joins (a full peer copy of version ``v`` from the transformers engine) and serves ``v``.
+    Returns the restarted server."""
+    from actors.vllm_server import VLLMServer
+    from sync_service.engines.vllm_server.client import ServerClient
+    from sync_service.engines.vllm_server.launch import LocalServer
+    from tests.faults import inject
+
+    ray.get([t.train_step.remote(v) for t in trainers], timeout=120)
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    ray.get([t.__ray_call__.remote(inject.gate_fill, str(gate)) for t in trainers], timeout=60)
+    handle = sync.push_async(v)
+    client, end = ServerClient(server.url, timeout_s=2.0), time.monotonic() + 300
+    while not ((gate / "reached").exists() and _in_push(client)):
+        assert time.monotonic() < end and not handle.done(), "the push never reached the gate with the server in it"
+        time.sleep(0.1)
+    server.kill()
+    (gate / "open").touch()
+    metrics = handle.result(timeout=600)
+    ray.get([t.__ray_call__.remote(inject.heal_trainer) for t in trainers], timeout=60)
+    results = {e.engine: e for e in metrics.engines}
+    assert results["hf0"].committed and not results["server0"].committed, results
+    assert "server0" in results["server0"].error and "died" in results["server0"].error, results["server0"].error
+    assert sync.engine_versions() == {"hf0": v}
+
+    restarted = LocalServer.start(tmp_path / "base", dtype=DTYPE, timeout_s=START_TIMEOUT_S, log_dir=tmp_path,
+                                  extra_args=SERVER_ARGS)
+    try:
+        engine = VLLMServer(restarted.url, name="server1")
+        sync.add_engine(engine)
+        joined = sync.joins[-1]
+        assert (joined.engine, joined.source, joined.version) == ("server1", "peer:hf0", v), joined
+        assert sync.engine_versions() == {"hf0": v, "server1": v}
+        _check_served(engine, expected, v)
+    except BaseException:
+        restarted.stop()
+        raise
+    return restarted
+
+
 def test_server_receives_three_versions_and_bad_input(tmp_path: Path, ray_local) -> None:
     from actors.vllm_server import VLLMServer
     from sync_service.api import PlanMismatchError, SyncConfig, WeightSync
@@ -175,48 +252,54 @@ def test_server_receives_three_versions_and_bad_input(tmp_path: Path, ray_local)
         secret = b"s3cret-" * 5
         sync = WeightSync(trainers=trainers, engines=[engine, hf],
                           config=SyncConfig(transport="shm", timeout_s=120, secret=secret))
-        for v in range(VERSIONS):
-            if v:
-                ray.get([t.train_step.remote(v) for t in trainers], timeout=120)
-            pushing, during = threading.Event(), []
-            pushing.set()
-            client = threading.Thread(target=_generate_while, args=(server.url, list(PROMPTS[0]), pushing, during))
-            if v:
-                client.start()
-                while not during and client.is_alive():  # one request before the push: the thread runs
-                    time.sleep(0.05)
-            try:
-                metrics = sync.push(v)
-            finally:
-                pushing.clear()
-                if v:
-                    client.join(timeout=300)
-            assert metrics.full == (v == 0) and all(e.committed for e in metrics.engines)
-            assert sync.engine_versions() == {"server0": v, "hf0": v}
-            _check_one_version_each(during, {str(u): expected[u][0]["tokens"] for u in (v - 1, v) if u >= 0}, v)
-            first = _plain(server.url, LONG)  # the first request after the commit: nothing cached from before
-            assert first["cached"] == 0, f"version {v}: {first['cached']} prompt tokens from a stale prefix cache"
-            got = ray.get(engine.complete.remote([list(p) for p in PROMPTS], MAX_NEW_TOKENS), timeout=120)
-            assert [g["tokens"] for g in got] == [e["tokens"] for e in expected[v]], f"version {v}: tokens differ"
-            _assert_logprobs_close(got + [first], expected[v] + [expected[v][-1]], v)
-            again = _plain(server.url, LONG)  # the cache works within a version (so the check above can fail)
-            assert again["cached"] >= 64 and again["tokens"] == first["tokens"], again
+        for v in range(VERSIONS - 1):
+            _push_and_check(sync, engine, server.url, trainers, v, expected)
 
         log = server.log_path.read_text(errors="replace")
         assert "POST /init_weight_transfer_engine" in log  # the access log of the calls that carried it
         assert base64.b64encode(secret).decode() not in log and secret.decode() not in log and secret.hex() not in log
 
-        # the server dies: the next push names it, the transformers engine commits
-        server.kill()
-        ray.get([t.train_step.remote(VERSIONS) for t in trainers], timeout=120)
-        metrics = sync.push(VERSIONS)
-        lost = {e.engine: e for e in metrics.engines}
-        assert lost["hf0"].committed and not lost["server0"].committed
-        assert "server0" in lost["server0"].error and "died" in lost["server0"].error
-        assert sync.engine_versions() == {"hf0": VERSIONS}
+        server = _kill_mid_push_and_rejoin(sync, server, trainers, VERSIONS - 1, expected, tmp_path)
         sync.close()
+        for a in (*trainers, hf):
+            ray.kill(a)
     finally:
         server.stop()
+
+
+def test_bf16_server_serves_pefts_float64_merge_exactly(tmp_path: Path, ray_local) -> None:
+    """bf16: with ``SyncConfig.accumulate_dtype="float64"`` the trainers' merge is bitwise PEFT's float64
+    merge cast once to bf16 (``tests/merge/test_accumulate_dtype.py``), so after a full and a delta push
+    the server's greedy tokens and logprobs equal a fresh bf16 server's exactly (fp32 accumulation rounds
+    a few weights one bf16 ulp away, which moved logprobs by up to 1.4e-2 here)."""
+    from actors.launch import start_trainers
+    from actors.vllm_server import VLLMServer
+    from sync_service.api import SyncConfig, WeightSync
+    from sync_service.engines.vllm_server.launch import LocalServer
+    from sync_service.synthetic import make_adapter, make_base
+
+    base = Path(make_base("qwen3_moe", tmp_path / "base", dtype="bfloat16", hidden=64, intermediate=32,
+                          num_experts=4, vocab_size=128, scale=0.1))
+    adapter = Path(make_adapter("qwen3_moe", base, tmp_path / "lora", kind="target_parameters", r=4, lora_alpha=16,
+                                init_scale=0.3, seed=1))
+    expected, _ = _oracle(base, adapter, tmp_path / "oracle", versions=2, dtype="bfloat16")
+    assert expected[0] != expected[1], "versions decode alike; the test would not see a sync"
+    with LocalServer.start(base, dtype="bfloat16", timeout_s=START_TIMEOUT_S, log_dir=tmp_path,
+                           extra_args=SERVER_ARGS) as server:
+        engine = VLLMServer(server.url, name="server0")
+        trainers = start_trainers(base, adapter, ep=2, timeout_s=120)
+        sync = WeightSync(trainers=trainers, engines=[engine],
+                          config=SyncConfig(transport="shm", timeout_s=120, accumulate_dtype="float64"))
+        for v in range(2):
+            if v:
+                ray.get([t.train_step.remote(v) for t in trainers], timeout=120)
+            assert sync.push(v).engines[0].committed
+            got = ray.get(engine.complete.remote([list(p) for p in PROMPTS], MAX_NEW_TOKENS), timeout=120)
+            assert [{"tokens": g["tokens"], "logprobs": g["logprobs"]} for g in got] == [
+                {"tokens": e["tokens"], "logprobs": e["logprobs"]} for e in expected[v]], f"version {v} differs"
+        sync.close()
+        for a in (*trainers, engine):
+            ray.kill(a)
 
 
 def test_cli_refuses_bad_server_flags_before_ray(tmp_path: Path) -> None:
