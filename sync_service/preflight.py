@@ -123,13 +123,14 @@ def check_sharding(args: argparse.Namespace, base: Path, ep: int, tp: int) -> No
     from sync_service.sharding.rules import ShardSpec, shard_pieces
 
     try:
-        metas = SafetensorsBase(base).metas()
+        checkpoint = SafetensorsBase(base)
+        metas = checkpoint.metas()
     except MergeError as exc:
         fail(args, f"--base: {exc}")
     spec = ShardSpec(rank=0, ep=ep, tp=tp)
     for meta in metas:
         try:
-            shard_pieces(meta, spec)
+            shard_pieces(meta, spec, checkpoint.layout)
         except ValueError as exc:
             fail(args, f"--ep {ep} --tp {tp}: {exc}")
 

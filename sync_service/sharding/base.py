@@ -113,7 +113,7 @@ def shard_tensors(tensors: Mapping[str, torch.Tensor], spec: ShardSpec, *, layou
     shards = {}
     for name, full in tensors.items():
         meta = ParamMeta(name=name, dtype=wire_dtype(full.dtype), shape=tuple(full.shape))
-        shards[name] = _make_shard(meta, spec, lambda box, full=full: full[_slices(box)])
+        shards[name] = _make_shard(meta, spec, lambda box, full=full: full[_slices(box)], layout)
     return ShardedBase(shards, layout=layout)
 
 
@@ -125,16 +125,17 @@ def load_shard(provider: object, spec: ShardSpec) -> ShardedBase:
         ValueError: a split dimension is not divisible by its parallel size.
     """
     shards = {}
+    layout = getattr(provider, "layout", None)
     for meta in provider.metas():
         whole = ParamMeta(name=meta.name, dtype=meta.dtype, shape=tuple(meta.shape))
-        shards[meta.name] = _make_shard(whole, spec, lambda box, n=meta.name: provider.read(n, box))
-    return ShardedBase(shards, layout=getattr(provider, "layout", None), tied_aliases=getattr(provider, "tied_aliases", None))
+        shards[meta.name] = _make_shard(whole, spec, lambda box, n=meta.name: provider.read(n, box), layout)
+    return ShardedBase(shards, layout=layout, tied_aliases=getattr(provider, "tied_aliases", None))
 
 
-def _make_shard(meta: ParamMeta, spec: ShardSpec, read_global) -> LocalShard:
-    pieces = tuple(shard_pieces(meta, spec))
+def _make_shard(meta: ParamMeta, spec: ShardSpec, read_global, layout: object | None = None) -> LocalShard:
+    pieces = tuple(shard_pieces(meta, spec, layout))
     dtype = torch_dtype(meta.dtype)
-    local = torch.empty(local_shape(meta, spec), dtype=dtype)
+    local = torch.empty(local_shape(meta, spec, layout), dtype=dtype)
     for piece in pieces:
         local[_slices(piece.local_box)].copy_(read_global(piece.global_box))
-    return LocalShard(meta=meta, local=local, pieces=pieces, owned=owns(meta, spec))
+    return LocalShard(meta=meta, local=local, pieces=pieces, owned=owns(meta, spec, layout))

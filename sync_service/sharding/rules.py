@@ -9,7 +9,10 @@ intermediate, tp TP size. Names are the transformers v5 in-memory ("hf-fused") n
   row-parallel weights split dim 1 (in). Fused ``experts.gate_up_proj`` [E, 2I, H] is split per
   half: TP rank t holds ``[gate_shard_t; up_shard_t]`` = global rows ``[t·I/tp, (t+1)·I/tp)`` and
   ``[I + t·I/tp, I + (t+1)·I/tp)`` stacked (Megatron ``linear_fc1``, vLLM ``w13``), not ``[G; U]``.
-  ``experts.down_proj`` [E, H, I] splits its I dim (dim 2).
+  ``experts.down_proj`` [E, H, I] splits its I dim (dim 2). Families stored ``in_out`` (gpt_oss, llama4:
+  ``gate_up_proj`` [E, H, 2I], ``down_proj`` [E, I, H]; the layout row's ``orientation``) split the same
+  dims where they sit: the 2I dim 2 and the I dim 1; interleaved gate/up columns (gpt_oss) split in plain
+  contiguous blocks, so each rank holds whole (gate, up) column pairs (``EXPERT_TP_RULES``).
 - Everything else is replicated; a replicated tensor (or a tensor replicated along one mesh axis) is
   produced only by the ranks whose coordinate on that axis is 0, so nothing is sent twice.
 
@@ -62,11 +65,19 @@ class ShardSpec:
         return {"ep": self.ep, "tp": self.tp}[axis]
 
 
+# (orientation, gate_up_order) of the family's layout row -> (gate_up_proj dims, down_proj dims), as SHARD_RULES.
+EXPERT_TP_RULES: dict[tuple[str, str], tuple[dict[int, tuple[str, str]], dict[int, tuple[str, str]]]] = {
+    ("out_in", "concat"): ({0: ("ep", "chunk"), 1: ("tp", "halves")}, {0: ("ep", "chunk"), 2: ("tp", "chunk")}),
+    ("in_out", "concat"): ({0: ("ep", "chunk"), 2: ("tp", "halves")}, {0: ("ep", "chunk"), 1: ("tp", "chunk")}),
+    ("in_out", "interleaved"): ({0: ("ep", "chunk"), 2: ("tp", "chunk")}, {0: ("ep", "chunk"), 1: ("tp", "chunk")}),
+}
+
 # name pattern -> {dim: (mesh axis, split kind)}; first match wins. "chunk": equal contiguous
-# blocks; "halves": each half of the dim ([gate; up]) chunked separately and stacked.
+# blocks; "halves": each half of the dim ([gate; up]) chunked separately and stacked. The expert rows are
+# those of out_in families; ``_rule`` takes another family's from ``EXPERT_TP_RULES``.
 SHARD_RULES: tuple[tuple[re.Pattern[str], dict[int, tuple[str, str]]], ...] = (
-    (expert_names().fused_gate_up, {0: ("ep", "chunk"), 1: ("tp", "halves")}),
-    (expert_names().fused_down, {0: ("ep", "chunk"), 2: ("tp", "chunk")}),
+    (expert_names().fused_gate_up, EXPERT_TP_RULES["out_in", "concat"][0]),
+    (expert_names().fused_down, EXPERT_TP_RULES["out_in", "concat"][1]),
     (re.compile(r"\.(q_proj|k_proj|v_proj)\.(weight|bias)$"), {0: ("tp", "chunk")}),
     (re.compile(r"\.mlp\.(gate_proj|up_proj)\.weight$"), {0: ("tp", "chunk")}),
     (re.compile(r"\.(o_proj|mlp\.down_proj)\.weight$"), {1: ("tp", "chunk")}),
@@ -82,9 +93,16 @@ class Piece:
     local_box: Box
 
 
-def _rule(name: str) -> dict[int, tuple[str, str]]:
-    for pattern, dims in SHARD_RULES:
+def _rule(name: str, layout: object | None = None) -> dict[int, tuple[str, str]]:
+    """The split dims of ``name``; ``layout``: the family's ``FamilyLayout`` (``None``: out_in, concat)."""
+    for i, (pattern, dims) in enumerate(SHARD_RULES):
         if pattern.search(name):
+            if i < 2 and layout is not None:
+                key = (layout.orientation, layout.gate_up_order)
+                if key not in EXPERT_TP_RULES:
+                    raise ValueError(f"{name!r}: no tensor-parallel split for experts stored {key[0]} with "
+                                     f"{key[1]} gate/up; sync this family with tp=1")
+                return EXPERT_TP_RULES[key][i]
             return dims
     return {}
 
@@ -103,13 +121,14 @@ def _dim_segments(name: str, dim: int, n: int, kind: str, size: int, coord: int)
     return [((p * half + coord * block, p * half + (coord + 1) * block), (p * block, (p + 1) * block)) for p in range(parts)]
 
 
-def shard_pieces(meta: ParamMeta, spec: ShardSpec) -> list[Piece]:
+def shard_pieces(meta: ParamMeta, spec: ShardSpec, layout: object | None = None) -> list[Piece]:
     """The global boxes of tensor ``meta`` rank ``spec.rank`` holds, with their local positions.
+    ``layout``: the family's ``FamilyLayout`` (its experts' orientation; ``None``: out_in, concat).
 
     Raises:
         ValueError: a split dimension is not divisible by its parallel size.
     """
-    dims = _rule(meta.name)
+    dims = _rule(meta.name, layout)
     per_dim = []
     for d, n in enumerate(meta.shape):
         axis, kind = dims.get(d, (None, "chunk"))
@@ -121,14 +140,14 @@ def shard_pieces(meta: ParamMeta, spec: ShardSpec) -> list[Piece]:
     ]
 
 
-def local_shape(meta: ParamMeta, spec: ShardSpec) -> tuple[int, ...]:
-    """Shape of the rank's local tensor for ``meta``."""
-    pieces = shard_pieces(meta, spec)
+def local_shape(meta: ParamMeta, spec: ShardSpec, layout: object | None = None) -> tuple[int, ...]:
+    """Shape of the rank's local tensor for ``meta`` (``layout`` as ``shard_pieces``)."""
+    pieces = shard_pieces(meta, spec, layout)
     return tuple(max(p.local_box[d][1] for p in pieces) for d in range(len(meta.shape))) if pieces else ()
 
 
-def owns(meta: ParamMeta, spec: ShardSpec) -> bool:
+def owns(meta: ParamMeta, spec: ShardSpec, layout: object | None = None) -> bool:
     """Whether this rank produces its pieces of ``meta``: coordinate 0 on every mesh axis that does
     not shard the tensor (so a replicated tensor is sent by exactly one rank)."""
-    used = {axis for axis, _ in _rule(meta.name).values()}
+    used = {axis for axis, _ in _rule(meta.name, layout).values()}
     return all(spec.coord(axis) == 0 for axis in ("ep", "tp") if axis not in used and spec.size(axis) > 1)

@@ -134,6 +134,45 @@ def test_family_full_then_delta_sync(trainer_pool, engine_pool, families, family
         ray.kill(engine)
 
 
+TP_CASES = [("llama4", 1, 2, "bfloat16"), ("gpt_oss", 2, 1, "bfloat16"), ("gpt_oss", 1, 2, "float32")]
+
+
+@pytest.mark.parametrize("family,ep,tp,dtype", TP_CASES, ids=[f"{f}-ep{e}-tp{t}" for f, e, t, _ in TP_CASES])
+def test_in_out_family_ep_tp_sync(trainer_pool, families, tmp_path, family, ep, tp, dtype):
+    """Families whose experts are stored in_out (llama4 ``gate_up_proj`` [E, H, 2I]; gpt_oss interleaved, with
+    biases) synced through EP or TP trainers: each rank holds the split of the dims where they sit
+    (``sharding.rules.EXPERT_TP_RULES``), and the engine equals PEFT's ``merge_and_unload`` (float64, cast once)."""
+    from actors.rollout import RolloutEngine
+    from protocols.params import ParamMeta
+    from sync_service.merge.base import SafetensorsBase
+    from sync_service.sharding.rules import ShardSpec, shard_pieces
+
+    if family in families:  # llama4: the matrix's bf16 files
+        base, adapter = families[family]
+    else:
+        base = make_base(family, tmp_path / "base", dtype=dtype, num_experts=4)
+        adapter = make_adapter(family, base, tmp_path / "lora", kind="target_parameters", r=2, lora_alpha=6, seed=5)
+    checkpoint = SafetensorsBase(base)
+    gate_up = next(m for m in checkpoint.metas() if m.name.endswith("experts.gate_up_proj"))
+    held = shard_pieces(ParamMeta(gate_up.name, gate_up.dtype, gate_up.shape), ShardSpec(rank=1, ep=ep, tp=tp),
+                        checkpoint.layout)
+    split, whole = (0, 1) if ep > 1 else (2, 1)  # EP: experts; TP: the 2I dim (dim 2 when in_out), never H
+    assert all(p.global_box[split] != (0, gate_up.shape[split]) and p.global_box[whole] == (0, gate_up.shape[whole])
+               for p in held), held
+    engine = RolloutEngine.remote(model_dir=str(base), engine="hf", name=f"{family}-tp")
+    trainers = start_trainers(base, adapter, ep=ep, tp=tp, reuse=trainer_pool)
+    sync = WeightSync(trainers=trainers, engines=[engine], config=CONFIG)
+    try:
+        assert sync.push(0).full
+        oracle = {n: t.to(getattr(torch, dtype)) if t.dtype == torch.float64 else t
+                  for n, t in peft_merged_model(base, adapter).state_dict().items()}
+        state = _engine_state(engine)
+        assert_matches(_as_torch(state, oracle), {n: oracle[n] for n in state})
+    finally:
+        sync.close()
+        ray.kill(engine)
+
+
 def replay_changed(base, reference: dict[str, torch.Tensor]) -> list[str]:
     """Names whose reference differs from the base (what a delta must send)."""
     from protocols.params import full_box
