@@ -22,6 +22,7 @@ from sync_service.merge.derive import layout_for
 from sync_service.merge.source import MergeConfig, MergedSource
 from sync_service.sharding.local_adapter import LocalAdapter
 from sync_service.sharding.rules import ShardSpec
+from sync_service.sharding.snapshots import Snapshots
 from sync_service.sharding.trainer_state import num_experts_of
 
 __all__ = ["LiveState"]
@@ -62,8 +63,7 @@ class LiveState:
                              "factors are DTensors — drop expert_range (the DTensor placement gives the rows)")
         self._gather = ShardGather(sharded, group=group, rank=rank, world=world, timeout_s=timeout_s) if sharded else None
         self._local = LocalAdapter(live.peft_config, _spec(experts), num_experts_of(self.base))
-        self._snapshots: dict[int, _Snapshot] = {}
-        self._sent: _Snapshot | None = None
+        self._snapshots: Snapshots[_Snapshot] = Snapshots(f"training rank {rank}")
         self._full_next = True  # the first sync of an attached trainer is full
         self._changed: frozenset[str] | None = None
 
@@ -87,7 +87,7 @@ class LiveState:
     def snapshot(self, version: int) -> frozenset[str] | None:
         """Copy this rank's factor values as ``version``; the names a delta needs (``None``: all)."""
         changed = None if self._full_next else self._changed
-        self._snapshots[version] = _Snapshot(version=version, factors=self._copy())
+        self._snapshots.put(version, _Snapshot(version=version, factors=self._copy()))
         self._full_next = False
         return changed
 
@@ -104,17 +104,12 @@ class LiveState:
         Raises:
             KeyError: no snapshot of ``version``. MergeError: a factor holds NaN or Inf (named).
         """
-        snap = self._snapshots.pop(version, None)
-        if snap is None and self._sent is not None and self._sent.version == version:
-            snap = self._sent
-        if snap is None:
-            raise KeyError(f"no snapshot of version {version} on training rank {self.rank}; call snapshot({version}) first")
-        self._sent = snap
+        snap = self._snapshots.take(version)
         return MergedSource(self.base, self._adapter(snap.factors), config=self.merge, owned=self.base.owned(),
                             layout=self.base.layout)
 
     def drop_snapshot(self, version: int) -> None:
-        self._snapshots.pop(version, None)
+        self._snapshots.drop(version)
 
     def _copy(self) -> dict[str, torch.Tensor]:
         return {k: p.local().to(device="cpu", copy=True) for k, p in self.live.factors.items()}

@@ -24,6 +24,7 @@ from sync_service.sharding.base import ShardedBase
 from sync_service.sharding.ep_factors import FactorGather, local_factors
 from sync_service.sharding.local_adapter import LocalAdapter
 from sync_service.sharding.rules import ShardSpec
+from sync_service.sharding.snapshots import Snapshots
 
 __all__ = ["TrainerState", "Snapshot", "num_experts_of"]
 
@@ -67,8 +68,7 @@ class TrainerState:
         self.gather_timeout_s = gather_timeout_s
         self.num_experts = num_experts_of(base)
         self._base_changed = True  # the first sync of a fresh trainer is full
-        self._snapshots: dict[int, Snapshot] = {}
-        self._sent: Snapshot | None = None  # the last snapshot handed to source(): a retried send reuses it
+        self._snapshots: Snapshots[Snapshot] = Snapshots(f"trainer rank {spec.rank}")
         # an EP rank merges only its own expert block: its own factors suffice, no collective per sync
         _check_expert_ownership(base, spec, self.num_experts)
         self._local = LocalAdapter(peft_config, spec, self.num_experts)
@@ -132,9 +132,9 @@ class TrainerState:
     def snapshot(self, version: int) -> frozenset[str] | None:
         """Freeze this version's trained state; returns ``changed_names()`` as of the snapshot."""
         changed = self.changed_names()
-        self._snapshots[version] = Snapshot(version=version, base=self.base,
-                                            factors={k: v.clone() for k, v in self.factors.items()},
-                                            base_changed=changed is None)
+        self._snapshots.put(version, Snapshot(version=version, base=self.base,
+                                              factors={k: v.clone() for k, v in self.factors.items()},
+                                              base_changed=changed is None))
         self._base_changed = False
         return changed
 
@@ -150,12 +150,7 @@ class TrainerState:
         Raises:
             KeyError: no snapshot of ``version``. MergeError: a factor holds NaN or Inf (named).
         """
-        snap = self._snapshots.pop(version, None)
-        if snap is None and self._sent is not None and self._sent.version == version:
-            snap = self._sent
-        self._sent = snap
-        if snap is None:
-            raise KeyError(f"no snapshot of version {version} on trainer rank {self.spec.rank}; call snapshot({version}) first")
+        snap = self._snapshots.take(version)
         if self.peft_config is None:
             adapter = None
         elif whole_adapter:
@@ -170,7 +165,7 @@ class TrainerState:
         return MergedSource(snap.base, adapter, config=self.merge, owned=snap.base.owned(), layout=snap.base.layout)
 
     def drop_snapshot(self, version: int) -> None:
-        self._snapshots.pop(version, None)
+        self._snapshots.drop(version)
 
     def _changed_names(self) -> frozenset[str]:
         if self.peft_config is None:
