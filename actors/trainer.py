@@ -95,6 +95,9 @@ class TrainerShardCore:
         base_dir, adapter_dir = self._hf_inputs()  # before the group: transformers saves only on rank 0 of one
         if self.spec.world_size > 1:
             self._init_group(host, port, timeout_s)
+        elif self._rendezvous is not None:  # one rank: no group, so the reserved socket stops listening
+            self._rendezvous.close()
+            self._rendezvous = None
         self.state = TrainerState.from_checkpoint(base_dir, adapter_dir, self.spec,
                                                   gather_timeout_s=self._init["gather_timeout_s"])
         self.endpoint = TrainerEndpoint(self.state, rank=self.spec.rank, source_for=self._source_for)

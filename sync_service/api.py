@@ -82,8 +82,10 @@ class SyncConfig:
     metrics_host: str = "127.0.0.1"
     """Address the metrics endpoint binds (``"0.0.0.0"``: every interface, for a scraper on another host)."""
     bind_host: str = "127.0.0.1"
-    """Address every listener of a sync binds (never all interfaces): the ``"torch"`` transport's
-    rendezvous store and its gloo connections. Give an address the trainers and engines reach."""
+    """Address every listener of the coordinator's host binds (never all interfaces): the ``"torch"``
+    transport's rendezvous store, and the gloo connections of ranks on that host; a rank on another
+    host listens on its own address on the route to this one. Give an address the trainers and engines
+    reach (docs/operations.md, "Across hosts")."""
     port_range: tuple[int, int] | None = None
     """Ports listeners may bind, ``(first, last)`` inclusive: each channel takes the first free one
     (the ``"torch"`` transport's rendezvous store; gloo picks its own connection ports). ``None``: a

@@ -8,8 +8,9 @@ One sync of version v (the calls are ``protocols.endpoints``'):
      (the previous version stays served) and ``SyncError`` names each endpoint's error.
 
 Full sync the first time and whenever an engine has not received one yet; otherwise delta (the
-``SyncMode``, ``modes.py``, chooses the names). An engine whose actor died leaves the membership
-(``membership.py``) and the same snapshot goes again to the live engines. A late joiner is brought
+``SyncMode``, ``modes.py``, chooses the names). An engine whose actor died, or that gave no answer
+at all within ``timeout_s`` + grace (a cut link, a hung process), leaves the membership
+(``membership.py``) and the same snapshot goes again to the others. A late joiner is brought
 to the fleet's version by a peer copy (``join.py``). Membership changes and failed pushes open the
 channel again (``channel.py``).
 """
@@ -147,9 +148,9 @@ class Coordinator:
     def transfer(self, version: int, changed: frozenset[str] | None) -> SyncMetrics:
         """Stream the snapshot of ``version`` to every engine and commit it — or abort everywhere.
 
-        An engine whose actor died leaves the membership and the same snapshot goes again to the live
-        engines, so they commit ``version``; the metrics report the dead one (``committed=False``,
-        error "... died ...").
+        An engine whose actor died, or that did not answer at all (unreachable), leaves the membership
+        and the same snapshot goes again to the others, so they commit ``version``; the metrics report
+        the lost one (``committed=False``, error "engine NAME died ..." / "... did not answer ...").
 
         Raises:
             SyncError: a trainer or a live engine failed; no engine committed ``version``.
@@ -175,11 +176,11 @@ class Coordinator:
                                                accumulate_dtype=self.config.accumulate_dtype))
             if prepared.ok:
                 return self._commit(run, prepared, version, names is None, lost, t0)
-            dead = prepared.dead_engines()
-            run.abort(skip=dead)
-            if dead and len(dead) < len(run.engines) and not prepared.trainer_died():
-                lost += self._drop_dead(dead, prepared, version)
-                continue  # the same snapshot, to the live engines
+            gone = prepared.lost_engines()
+            run.abort(skip=gone)
+            if gone and len(gone) < len(run.engines) and not prepared.trainer_died():
+                lost += self._drop_lost(gone, prepared, version)
+                continue  # the same snapshot, to the engines still there
             self._fail(run, prepared, version, names is None, lost, t0)
 
     # -- internals -------------------------------------------------------------------------
@@ -221,11 +222,12 @@ class Coordinator:
                                          engines=results, commit_s=commit_s, seconds=time.perf_counter() - t0)
         return self._mode.report(metrics)
 
-    def _drop_dead(self, dead: list[int], prepared: Prepared, version: int) -> list[EngineResult]:
-        names = [self.members.names[i] for i in dead]
-        reasons = [f"engine {n} died during push({version}) and left the membership: {prepared.recv_errors[i]}"
-                   for n, i in zip(names, dead)]
-        self.members.drop(dead, reasons)
+    def _drop_lost(self, gone: list[int], prepared: Prepared, version: int) -> list[EngineResult]:
+        names = [self.members.names[i] for i in gone]
+        how = {i: "did not answer (unreachable or hung)" for i in prepared.silent}
+        reasons = [f"engine {n} {how.get(i, 'died')} during push({version}) and left the membership "
+                   f"(add_engine admits it again): {prepared.recv_errors[i]}" for n, i in zip(names, gone)]
+        self.members.drop(gone, reasons)
         return [EngineResult(engine=n, committed=False, apply_s=0.0, payload_bytes=0, error=r)
                 for n, r in zip(names, reasons)]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ray
 
@@ -34,6 +34,8 @@ class Prepared:
     send_errors: list[EndpointError | None]
     received: list
     recv_errors: list[EndpointError | None]
+    silent: list[int] = field(default_factory=list)
+    """Engines that gave no answer at all before the deadline (a cut link, a hung process)."""
 
     @property
     def ok(self) -> bool:
@@ -41,6 +43,10 @@ class Prepared:
 
     def dead_engines(self) -> list[int]:
         return [i for i, e in enumerate(self.recv_errors) if isinstance(e, EndpointDiedError)]
+
+    def lost_engines(self) -> list[int]:
+        """Engines the push cannot wait for: dead, or silent (not even a timeout of their own came back)."""
+        return sorted(set(self.dead_engines()) | set(self.silent))
 
     def trainer_died(self) -> bool:
         return any(isinstance(e, EndpointDiedError) for e in self.send_errors)
@@ -75,11 +81,13 @@ class Transfer:
         refs += [t.send.remote(request) for t in self.trainers]
         names = self.engine_labels + self.trainer_names
         calls = ["receive"] * len(self.engines) + ["send"] * len(self.trainers)
-        results, errors = self._watch(refs, names, calls)
+        results, errors, silent = self._watch(refs, names, calls)
         n = len(self.engines)
-        return Prepared(sent=results[n:], send_errors=errors[n:], received=results[:n], recv_errors=errors[:n])
+        return Prepared(sent=results[n:], send_errors=errors[n:], received=results[:n], recv_errors=errors[:n],
+                        silent=[i for i in silent if i < n])
 
-    def _watch(self, refs: list, names: list[str], calls: list[str]) -> tuple[list, list]:
+    def _watch(self, refs: list, names: list[str], calls: list[str]) -> tuple[list, list, list[int]]:
+        """Per ref its result and error, and the indices that never answered (deadline: timeout + grace)."""
         results: list = [None] * len(refs)
         errors: list = [None] * len(refs)
         pending = {ref: i for i, ref in enumerate(refs)}
@@ -100,7 +108,7 @@ class Transfer:
                                              f"no answer within {self.timeout_s + GRACE_S:.0f} s")
         if pending and self.channel.open_now:
             self.channel.close_senders(self.trainers)
-        return results, errors
+        return results, errors, sorted(pending.values())
 
     def commit(self, version: int) -> tuple[list[EndpointError | None], float]:
         """Phase 2 on every engine; per engine its error (``None``: committed) and the round's seconds."""

@@ -54,6 +54,9 @@ class RayHostsConfig:
     """CPUs each node advertises (0: actors must ask for ``num_cpus=0``; no workers are prestarted)."""
     object_store_bytes: int = 80 << 20
     """Object store of each node, bytes."""
+    worker_ports: tuple[int, int] = (20000, 20999)
+    """Ports of Ray's worker processes (``--min/max-worker-port``): their gRPC servers listen on every
+    interface of their namespace, on one of these, so a check of listeners can tell them apart."""
     timeout_s: float = 180.0
     """Bound of the start (every node up) and of the stop, seconds."""
     env: dict[str, str] = field(default_factory=dict)
@@ -105,6 +108,7 @@ class RayHosts:
         return [ray, "start", "--block", *where, "--node-ip-address", self.net.hosts[host].address,
                 "--num-cpus", str(c.num_cpus), "--resources", json.dumps(c.resources.get(host, {})),
                 "--object-store-memory", str(c.object_store_bytes), "--temp-dir", str(self.temp_dir / "ray"),
+                "--min-worker-port", str(c.worker_ports[0]), "--max-worker-port", str(c.worker_ports[1]),
                 "--disable-usage-stats"]
 
     def log(self, host: str) -> Path:

@@ -15,7 +15,7 @@ small buckets), so small buckets create no object at all.
 
 Mailboxes are small async actors named ``<name>-rx<receiver>`` (frames, depth ``spec.slots``: the
 flow control) and ``<name>-tx<sender>`` (replies), in namespace ``weightsync``. Each side creates
-its own inbox, so an inbox dies with its process (Ray fate-sharing) and the peer sees an actor
+its own inbox on its own node, so an inbox dies with its process (Ray fate-sharing) and the peer sees an actor
 error instead of hanging. Needs ``ray.init`` (or a Ray worker) in both processes.
 """
 
@@ -63,7 +63,13 @@ class Mailbox:
 
 
 def _own_inbox(name: str, maxsize: int):
-    return Mailbox.options(name=name, namespace=NAMESPACE, get_if_exists=True).remote(maxsize)
+    """This side's mailbox, on this process's own node (Ray would place a resource-free actor on any
+    node: frames would then cross the network twice, and a cut-off node would stall the channel)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+    return Mailbox.options(name=name, namespace=NAMESPACE, get_if_exists=True,
+                           scheduling_strategy=here).remote(maxsize)
 
 
 def _lookup(name: str, timeout_s: float):

@@ -60,7 +60,8 @@ class TransportSpec:
     connect_timeout_s: float = 60.0
     """How long opening a side waits for its peers (segment, mailbox, rendezvous)."""
     address: str = "127.0.0.1"
-    """``torch_dist``: host of the rendezvous store; gloo binds its connections to it too."""
+    """``torch_dist``: host of the rendezvous store; each rank's gloo connections listen on its own
+    host's address on the route to it (the same address when every rank is on the store's host)."""
     port: int = 0
     """``torch_dist``: port of the rendezvous store (``host_channel`` starts one and fills it in;
     0: not hosted yet)."""

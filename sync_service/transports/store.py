@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from protocols.interfaces import TransportError
 
-__all__ = ["StoreClient", "StoreServer", "bind_listener"]
+__all__ = ["StoreClient", "StoreServer", "bind_listener", "local_address_toward"]
 
 MAX_MESSAGE_BYTES = 4 << 20
 """Largest request or answer, bytes (replies and gloo address records are far smaller)."""
@@ -88,6 +88,21 @@ def bind_listener(host: str, port_range: tuple[int, int] | None) -> socket.socke
             last = exc
     where = "a free port" if port_range is None else f"a free port in {port_range[0]}-{port_range[1]}"
     raise TransportError(f"cannot listen on {host}: no {where} ({last}); widen SyncConfig.port_range or free one")
+
+
+def local_address_toward(host: str, port: int) -> str:
+    """This host's own address on the route to ``host:port``: the one address a listener of this
+    process must bind for ``host``'s side to reach it (``127.0.0.1`` toward ``127.0.0.1``; on another
+    host, the interface the kernel routes through). Sends nothing (a UDP ``connect`` only picks the
+    route). Raises TransportError when ``host`` is unroutable from here."""
+    family, _, _, _, target = socket.getaddrinfo(host, port or 1, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(target)
+        except OSError as exc:
+            raise TransportError(f"no route from this host to {host} ({exc}); check the address the "
+                                 "channel's maker binds (SyncConfig.bind_host)") from None
+        return probe.getsockname()[0]
 
 
 def _on_fd(conn: Connection, fn) -> None:

@@ -4,7 +4,9 @@ Rendezvous: the authenticated store at ``spec.address:spec.port`` (``store.Store
 by the channel's maker with ``host_channel``; only holders of ``spec.auth_key`` get in), keys
 prefixed by ``spec.name``. The sender is rank 0, receiver ``i`` rank ``i + 1``; the group is a
 standalone ``ProcessGroupGloo`` (or ``ProcessGroupNCCL``) on that store, so a trainer's own default
-group is untouched, and gloo binds its connections to ``spec.address`` only.
+group is untouched, and each rank's gloo connections listen on one address only: its own host's
+address on the route to the store (``store.local_address_toward``; ``spec.address`` itself when
+every rank shares the store's host).
 
 A frame is one broadcast of a fixed ``CTRL_BYTES`` control block from rank 0 (header length,
 payload length, whether more frames of this stream follow, then the header itself; a header that
@@ -34,7 +36,7 @@ import torch.distributed as dist
 
 from protocols.interfaces import PeerLostError, TransportError
 from sync_service.transports.spec import TransportSpec
-from sync_service.transports.store import StoreClient
+from sync_service.transports.store import StoreClient, local_address_toward
 
 _GROUPS = {"gloo": (dist.ProcessGroupGloo, "cpu"), "nccl": (getattr(dist, "ProcessGroupNCCL", None), "cuda")}
 CTRL_BYTES = 16 << 10
@@ -70,6 +72,8 @@ class _Group:
             raise ValueError(f"torch_dist spec {spec.name!r} has no rendezvous port; start its store with "
                              "sync_service.transports.host_channel(spec) and ship host.spec")
         self.spec, self.rank, self.world = spec, rank, spec.num_receivers + 1
+        self.local_address = local_address_toward(spec.address, spec.port)
+        """The address this rank's gloo connections listen on: its own host's, on the route to the store."""
         self.client = StoreClient(spec.address, spec.port, spec.auth_key, spec.connect_timeout_s)
         self.store = dist.PrefixStore(f"{spec.name}/", self.client)
         try:
@@ -85,9 +89,9 @@ class _Group:
     def _group(self, cls):
         spec = self.spec
         try:
-            if spec.backend == "gloo":  # bound to the spec's address (by itself: where the host name resolves)
+            if spec.backend == "gloo":  # bound to this host's address toward the store (by itself: the host name's)
                 options = dist.ProcessGroupGloo._Options()
-                options._devices = [dist.ProcessGroupGloo.create_device(hostname=spec.address)]
+                options._devices = [dist.ProcessGroupGloo.create_device(hostname=self.local_address)]
                 options._timeout = timedelta(seconds=spec.op_timeout_s)
                 return cls(self.store, self.rank, self.world, options)
             return cls(self.store, self.rank, self.world, timedelta(seconds=spec.op_timeout_s))

@@ -59,6 +59,10 @@ def test_shaped_uplink_counters_link_cut_and_teardown():
         assert PAYLOAD_BYTES <= sent < PAYLOAD_BYTES * 1.1, sent
         assert seconds >= 0.8 * PAYLOAD_BYTES * 8 / parse_rate("200mbit"), f"{seconds:.2f}s: faster than the cap"
 
+        toward = "from sync_service.transports.store import local_address_toward as f; print(f('10.77.0.1', 9))"
+        assert net.run("engines0", [sys.executable, "-c", toward], timeout_s=60).stdout.strip() == "10.77.0.2", \
+            "a gloo rank on another host listens on its own address toward the store"
+
         server, port = serve(net, "engines1")
         net.set_link("engines1", up=False)
         with pytest.raises(HostsError, match="exit"):

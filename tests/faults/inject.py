@@ -182,6 +182,13 @@ def pid(actor) -> int:
     return os.getpid()
 
 
+def node_ip(actor) -> str:
+    """The address of the Ray node the actor runs on."""
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
 def listening(actor) -> list[tuple[str, int]]:
     """(address, port) of every listening TCP socket of this process."""
     import psutil
