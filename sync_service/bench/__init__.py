@@ -5,6 +5,9 @@
 - ``baselines``: PEFT ``merge_and_unload`` + ``save_pretrained`` + reload; full-gather + ``ray.put``.
 - ``floor``: one cross-process copy of the same bytes through reused shared memory.
 - ``rss``: peak RSS of actor processes (psutil thread). ``report``: ratios, JSON, table, plot.
+- across hosts (``--link``): ``link_run`` (namespace hosts + Ray nodes per rate, the driver process),
+  ``link`` (the rows), ``sock`` (plain TCP: the link floor, the disk copy), ``wire`` (bytes counted at
+  the interfaces), ``link_report`` (the ``"links"`` JSON, ratios, goals, table).
 - ``run``: the whole run (``run_bench(BenchConfig(...))``); ``cli``: the sub-command.
 
 Nothing is imported here: the floor's reader process (spawned) imports ``floor`` alone.

@@ -27,8 +27,9 @@ import torch
 
 from protocols.params import box_shape
 from sync_service.bench.model import BenchModel
-from sync_service.bench.rows import BenchConfig, Row, median_index
+from sync_service.bench.rows import BenchConfig, Placement, Row, median_index
 from sync_service.bench.rss import RssSampler, actor_pid
+from sync_service.bench.wire import WireMeter
 from sync_service.dtypes import TORCH_DTYPES
 
 __all__ = ["run_disk", "run_gather", "PeftDiskTrainer"]
@@ -75,12 +76,16 @@ def _reload(engine_actor, path: str) -> float:
     return time.perf_counter() - t0
 
 
-def run_disk(model: BenchModel, cfg: BenchConfig, size: int, work_dir: Path, launcher, say=print) -> Row:
-    """The disk row at ``size`` (the engine from ``launcher``); blocks; kills its actors and removes its
-    checkpoints."""
-    trainer = PeftDiskTrainer.remote()
-    engines = launcher.start_engines(model.base_dir, 1, timeout_s=cfg.timeout_s)
-    seconds, stages = [], []
+def run_disk(model: BenchModel, cfg: BenchConfig, size: int, work_dir: Path, launcher, say=print, *,
+             placement: Placement | None = None, copy_over=None, meter: WireMeter | None = None) -> Row:
+    """The disk row at ``size`` (actors from ``launcher``, placed by ``placement``); blocks; kills its
+    actors and removes its checkpoints. ``copy_over(out_dir) -> (dir the engine reads, seconds)``
+    moves the checkpoint to the engine's host (across hosts; ``transfer_s``); ``meter`` counts each
+    run's bytes at the network interfaces."""
+    placement = placement or Placement()
+    trainer = PeftDiskTrainer.options(**placement.trainer_options).remote()
+    engines = launcher.start_engines(model.base_dir, 1, timeout_s=cfg.timeout_s, actor_options=placement.engines(1))
+    seconds, stages, wire = [], [], []
     try:
         groups = {"trainer": [actor_pid(trainer)], "engine": [actor_pid(engines[0])]}
         with RssSampler(groups) as rss:
@@ -88,20 +93,29 @@ def run_disk(model: BenchModel, cfg: BenchConfig, size: int, work_dir: Path, lau
                 say(f"  {size}x disk run {i + 1}/{cfg.repeats}")
                 ray.get(trainer.load.remote(str(model.base_dir), str(model.adapter_dir)), timeout=cfg.timeout_s)
                 out = work_dir / f"merged-{size}x-{i}"
+                if meter is not None:
+                    meter.start()
                 t0 = time.perf_counter()
                 steps = ray.get(trainer.merge_and_save.remote(str(out)), timeout=cfg.timeout_s)
-                load_s = ray.get(engines[0].__ray_call__.remote(_reload, str(out)), timeout=cfg.timeout_s)
+                read_dir, copy_s = copy_over(out) if copy_over else (out, None)
+                load_s = ray.get(engines[0].__ray_call__.remote(_reload, str(read_dir)), timeout=cfg.timeout_s)
                 seconds.append(time.perf_counter() - t0)
-                stages.append({"merge_s": steps["merge_s"], "pack_s": steps["save_s"], "apply_s": load_s})
+                if meter is not None:
+                    wire.append(meter.stop())
+                copied = {} if copy_s is None else {"transfer_s": copy_s}
+                stages.append({"merge_s": steps["merge_s"], "pack_s": steps["save_s"], **copied, "apply_s": load_s})
                 written = sum(f.stat().st_size for f in out.glob("*.safetensors"))
-                shutil.rmtree(out, ignore_errors=True)
+                for d in {out, read_dir}:
+                    shutil.rmtree(d, ignore_errors=True)
     finally:
         for actor in (trainer, *engines):
             ray.kill(actor)
+    k = median_index(seconds)
     return Row(kind="disk", size=size, model_bytes=model.shape.bf16_bytes(), bytes=written, engines=1, seconds=seconds,
-               stages=stages[median_index(seconds)], trainer_peak_rss_bytes=rss.peak_bytes("trainer"),
+               stages=stages[k], trainer_peak_rss_bytes=rss.peak_bytes("trainer"),
                trainer_peak_extra_bytes=rss.max_extra_bytes("trainer"),
-               trainer_peak_extra_rss_bytes=rss.max_extra_rss_bytes("trainer"), engine_peak_rss_bytes=rss.peak_bytes("engine"))
+               trainer_peak_extra_rss_bytes=rss.max_extra_rss_bytes("trainer"), engine_peak_rss_bytes=rss.peak_bytes("engine"),
+               **(wire[k].row_fields() if wire else {}))
 
 
 def _gather_merged(shard, version: int, metas_by_rank: list[list], timeout_s: float) -> dict:
@@ -167,11 +181,15 @@ def _load_state(engine_actor, refs: list) -> dict:
     return {"get_s": t1 - t0, "copy_s": time.perf_counter() - t1}
 
 
-def run_gather(model: BenchModel, cfg: BenchConfig, size: int, launcher, say=print) -> Row:
-    """The full-gather row at ``size`` (actors from ``launcher``); blocks; kills its actors."""
-    trainers = launcher.start_trainers(model.base_dir, model.adapter_dir, ep=cfg.ep, timeout_s=cfg.timeout_s)
-    engines = launcher.start_engines(model.base_dir, 1, timeout_s=cfg.timeout_s)
-    seconds, stages, nbytes = [], [], 0
+def run_gather(model: BenchModel, cfg: BenchConfig, size: int, launcher, say=print, *,
+               placement: Placement | None = None, meter: WireMeter | None = None) -> Row:
+    """The full-gather row at ``size`` (actors from ``launcher``, placed by ``placement``); blocks;
+    kills its actors. ``meter`` counts each run's bytes at the network interfaces."""
+    placement = placement or Placement()
+    trainers = launcher.start_trainers(model.base_dir, model.adapter_dir, ep=cfg.ep, timeout_s=cfg.timeout_s,
+                                       actor_options=placement.trainer_options)
+    engines = launcher.start_engines(model.base_dir, 1, timeout_s=cfg.timeout_s, actor_options=placement.engines(1))
+    seconds, stages, wire, nbytes = [], [], [], 0
     try:
         metas = ray.get([t.owned_metas.remote() for t in trainers], timeout=cfg.timeout_s)
         groups = {"trainer": [actor_pid(t) for t in trainers], "engine": [actor_pid(engines[0])]}
@@ -180,11 +198,15 @@ def run_gather(model: BenchModel, cfg: BenchConfig, size: int, launcher, say=pri
                 say(f"  {size}x gather run {i + 1}/{cfg.repeats}")
                 ray.get([t.train_step.remote(i + 1) for t in trainers], timeout=cfg.timeout_s)
                 ray.get([t.snapshot.remote(i + 1) for t in trainers], timeout=cfg.timeout_s)
+                if meter is not None:
+                    meter.start()
                 t0 = time.perf_counter()
                 parts = ray.get([t.__ray_call__.remote(_gather_merged, i + 1, metas, cfg.timeout_s) for t in trainers],
                                 timeout=cfg.timeout_s)
                 loaded = ray.get(engines[0].__ray_call__.remote(_load_state, parts[0]["refs"]), timeout=cfg.timeout_s)
                 seconds.append(time.perf_counter() - t0)
+                if meter is not None:
+                    wire.append(meter.stop())
                 nbytes = parts[0]["bytes"]
                 del parts[0]["refs"]
                 stages.append({"gather_s": max(p["gather_s"] for p in parts), "merge_s": max(p["merge_s"] for p in parts),
@@ -195,8 +217,9 @@ def run_gather(model: BenchModel, cfg: BenchConfig, size: int, launcher, say=pri
     finally:
         for actor in (*trainers, *engines):
             ray.kill(actor)
+    k = median_index(seconds)
     return Row(kind="gather", size=size, model_bytes=model.shape.bf16_bytes(), bytes=nbytes, engines=1, seconds=seconds,
-               stages=stages[median_index(seconds)], trainer_peak_rss_bytes=rss.peak_bytes("trainer"),
+               stages=stages[k], trainer_peak_rss_bytes=rss.peak_bytes("trainer"),
                trainer_peak_extra_bytes=rss.max_extra_bytes("trainer"),
-               trainer_peak_extra_rss_bytes=rss.max_extra_rss_bytes("trainer"), engine_peak_rss_bytes=rss.peak_bytes("engine"))
-
+               trainer_peak_extra_rss_bytes=rss.max_extra_rss_bytes("trainer"), engine_peak_rss_bytes=rss.peak_bytes("engine"),
+               **(wire[k].row_fields() if wire else {}))

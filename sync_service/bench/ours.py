@@ -21,6 +21,7 @@ import ray
 from sync_service.bench.model import BenchModel
 from sync_service.bench.rows import BenchConfig, Row, median_index
 from sync_service.bench.rss import RssSampler, actor_pid
+from sync_service.bench.wire import WireMeter
 
 __all__ = ["PushRuns", "run_ours"]
 
@@ -45,60 +46,78 @@ def run_ours(model: BenchModel, cfg: BenchConfig, size: int, rows: list[Row], la
 
 
 class PushRuns:
-    """Timed pushes of one size on one set of trainer actors; versions count up across rows."""
+    """Timed pushes of one size on one set of trainer actors; versions count up across rows.
 
-    def __init__(self, trainers: list, cfg: BenchConfig, size: int, model_bytes: int) -> None:
+    ``sync_kw``: ``SyncConfig`` fields of every sync over the defaults (shm, ``cfg``'s bucket and
+    timeout), e.g. ``{"transport": "ray", "bind_host": ...}`` across hosts; ``meter`` counts each timed
+    push's bytes at the hosts' interfaces (``Row.wire_bytes`` of the median push).
+    """
+
+    def __init__(self, trainers: list, cfg: BenchConfig, size: int, model_bytes: int, *, sync_kw: dict | None = None,
+                 meter: WireMeter | None = None) -> None:
         self.trainers, self.cfg, self.size, self.model_bytes = trainers, cfg, size, model_bytes
+        self.sync_kw, self.meter = dict(sync_kw or {}), meter
         self.tpids = [actor_pid(t) for t in trainers]
         self.version = 0
 
-    def rows(self, kinds: dict[str, bool], engines: list, engine_pids: list[int] | None = None) -> list[Row]:
-        """One row per ``kind -> delta``: a ``WeightSync`` each over ``engines``, one untimed first push
+    def rows(self, kinds: dict[str, bool | dict], engines: list, engine_pids: list[int] | None = None) -> list[Row]:
+        """One row per ``kind -> delta`` (or ``kind -> SyncConfig fields``, e.g. ``{"mode": "factors"}``;
+        ``delta`` defaults to True): a ``WeightSync`` each over ``engines``, one untimed first push
         each, then ``repeats`` rounds with one push of every kind, in turn. ``engine_pids``: the processes
         whose RSS is the engines' (default: the engine actors')."""
         groups = {"trainer": self.tpids, "engine": engine_pids or [actor_pid(e) for e in engines]}
+        fields = {k: {"delta": v} if isinstance(v, bool) else {"delta": True, **v} for k, v in kinds.items()}
         syncs: dict = {}
         metrics: dict[str, list] = {k: [] for k in kinds}
+        wire: dict[str, list] = {k: [] for k in kinds}
         windows: dict[str, list[RssSampler]] = {k: [] for k in kinds}  # one per sync: training steps not counted
         try:
             with RssSampler(groups) as rss:
-                for kind, delta in kinds.items():
+                for kind, kw in fields.items():
                     with RssSampler(groups) as window:  # setup (transport, plan) and the first sync
-                        syncs[kind] = self._open(engines, delta)
+                        syncs[kind] = self._open(engines, kw)
                         syncs[kind].push(self._next())
                     windows[kind].append(window)
                 for _ in range(self.cfg.repeats):
-                    for kind, delta in kinds.items():
-                        metrics[kind].append(self._push(kind, syncs[kind], delta, groups, windows[kind]))
+                    for kind, kw in fields.items():
+                        metrics[kind].append(self._push(kind, syncs[kind], kw["delta"], groups, windows[kind], wire[kind]))
         finally:
             for sync in syncs.values():
                 sync.close()
-        return [self._row(kind, metrics[kind], windows[kind], rss, len(engines)) for kind in kinds]
+        return [self._row(kind, metrics[kind], windows[kind], rss, len(engines), wire[kind]) for kind in kinds]
 
-    def _open(self, engines: list, delta: bool):
+    def _open(self, engines: list, kw: dict):
         from sync_service.api import SyncConfig, WeightSync
 
-        return WeightSync(trainers=self.trainers, engines=engines, config=SyncConfig(
-            transport="shm", bucket_bytes=self.cfg.bucket_bytes, timeout_s=self.cfg.timeout_s, delta=delta))
+        return WeightSync(trainers=self.trainers, engines=engines, config=SyncConfig(**{
+            "transport": "shm", "bucket_bytes": self.cfg.bucket_bytes, "timeout_s": self.cfg.timeout_s, **self.sync_kw, **kw}))
 
-    def _push(self, kind: str, sync, delta: bool, groups: dict, windows: list):
-        """A training step, then one timed push (its memory window appended to ``windows``)."""
+    def _push(self, kind: str, sync, delta: bool, groups: dict, windows: list, wire: list):
+        """A training step, then one timed push (its memory window appended to ``windows``, its bytes at
+        the interfaces to ``wire`` when metered)."""
         ray.get([t.train_step.remote(self.version + 1) for t in self.trainers], timeout=self.cfg.timeout_s)
         with RssSampler(groups) as window:
+            if self.meter is not None:
+                self.meter.start()
             m = sync.push(self._next())
+            if self.meter is not None:
+                wire.append(self.meter.stop())
         windows.append(window)
         if m.full == delta:
             raise RuntimeError(f"{kind}: push {m.version} was {'full' if m.full else 'delta'}, expected the other")
         return m
 
-    def _row(self, kind: str, metrics: list, windows: list[RssSampler], rss: RssSampler, engines: int) -> Row:
-        best = metrics[median_index([m.seconds for m in metrics])]
+    def _row(self, kind: str, metrics: list, windows: list[RssSampler], rss: RssSampler, engines: int,
+             wire: list) -> Row:
+        k = median_index([m.seconds for m in metrics])
+        best = metrics[k]
         return Row(kind=kind, size=self.size, model_bytes=self.model_bytes, bytes=best.bytes, engines=engines,
                    seconds=[m.seconds for m in metrics], stages=best.stage_seconds(),
                    trainer_peak_rss_bytes=rss.peak_bytes("trainer"),
                    trainer_peak_extra_bytes=max(w.max_extra_bytes("trainer") for w in windows),
                    trainer_peak_extra_rss_bytes=max(w.max_extra_rss_bytes("trainer") for w in windows),
-                   engine_peak_rss_bytes=rss.peak_bytes("engine"))
+                   engine_peak_rss_bytes=rss.peak_bytes("engine"), engine_peak_extra_bytes=rss.max_extra_bytes("engine"),
+                   **(wire[k].row_fields() if wire else {}))
 
     def _next(self) -> int:
         self.version += 1

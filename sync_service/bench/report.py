@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from sync_service.bench.link_report import build_links, goal
 from sync_service.bench.live import live_goal
-from sync_service.bench.rows import ROW_KINDS, BenchConfig, Row
+from sync_service.bench.rows import LINK_ROW_KINDS, ROW_KINDS, BenchConfig, Row
 from sync_service.coordinator.metrics import STAGES
 
 __all__ = ["GOALS", "build_report", "markdown_table", "write_plot"]
@@ -36,28 +37,25 @@ def _ratios(rows: list[Row], size: int) -> dict[str, float | None]:
 
 
 def build_report(rows: list[Row], cfg: BenchConfig, *, factor_bytes: dict[int, int], factor_streaming: dict,
-                 machine: dict) -> dict:
-    """The JSON document (see docs/benchmarks.md "End to end"). Ratios are taken at the smallest size
-    (where every row runs); ``ratios_by_size`` has them wherever both rows ran."""
+                 machine: dict, link_rows: list[Row] = ()) -> dict:
+    """The JSON document (see docs/benchmarks.md "End to end" and "Across hosts"). Ratios are taken at
+    the smallest size (where every row runs); ``ratios_by_size`` has them wherever both rows ran.
+    ``link_rows`` (``Row.link`` set) become ``"links"`` (``link_report.build_links``)."""
     sizes = sorted(set(cfg.sizes))
     ref = sizes[0]
     ratios = _ratios(rows, ref)
-    goals = {}
-    for name, (_, _, (op, bound)) in GOALS.items():
-        value = ratios[name]
-        goals[name] = {"goal": f"{op} {bound}", "value": value,
-                       "met": None if value is None else (value <= bound if op == "<=" else value >= bound)}
+    goals = {name: goal(ratios[name], op, bound) for name, (_, _, (op, bound)) in GOALS.items()}
 
     def extra(kind: str, kinds: tuple[str, ...] | None = None) -> dict[str, int]:
         return {str(s): max(r.trainer_peak_extra_bytes for r in rows if r.size == s and r.kind in (kinds or (kind,)))
                 for s in sizes if any(r.size == s and r.kind in (kinds or (kind,)) for r in rows)}
 
     ours_extra = extra("delta", ("delta", "full"))
-    budget = {str(s): 2 * cfg.bucket_bytes + factor_bytes[s] for s in sizes}
+    budget = {str(s): 2 * cfg.bucket_bytes + factor_bytes[s] for s in sizes if s in factor_bytes}
     goals["trainer_memory"] = {
         "goal": "trainer peak extra <= 2 x bucket + factors, flat in model size",
         "value": ours_extra, "budget": budget,
-        "met": all(ours_extra[k] <= budget[k] for k in ours_extra)}
+        "met": all(ours_extra[k] <= budget[k] for k in ours_extra) if ours_extra else None}
     goals["live_trainer_memory"] = live_goal(rows, cfg.bucket_bytes)
     floor_s = {r.size: r.median_s for r in rows if r.kind == "floor"}
     return {
@@ -66,7 +64,8 @@ def build_report(rows: list[Row], cfg: BenchConfig, *, factor_bytes: dict[int, i
         "config": {"sizes": sizes, "bucket_bytes": cfg.bucket_bytes, "repeats": cfg.repeats, "quick": cfg.quick,
                    "ep": cfg.ep, "fanout": cfg.fanout, "full_max_size": cfg.full_max_size, "fanout_max_size": cfg.fanout_max_size,
                    "gather_max_size": cfg.gather_max_size, "disk_max_size": cfg.disk_max_size,
-                   "live_max_size": cfg.live_max_size, "vllm": cfg.vllm, "vllm_max_size": cfg.vllm_max_size},
+                   "live_max_size": cfg.live_max_size, "vllm": cfg.vllm, "vllm_max_size": cfg.vllm_max_size,
+                   "links": list(cfg.links), "link_max_size": cfg.link_max_size, "link_transport": cfg.link_transport},
         "reference_size": ref,
         "ratios": ratios,
         "ratios_by_size": {str(s): _ratios(rows, s) for s in sizes},
@@ -76,10 +75,12 @@ def build_report(rows: list[Row], cfg: BenchConfig, *, factor_bytes: dict[int, i
         "gather_trainer_peak_extra_bytes": extra("gather"),
         "disk_trainer_peak_extra_bytes": extra("disk"),
         "bucket_bytes": cfg.bucket_bytes,
-        "factor_bytes": {str(s): factor_bytes[s] for s in sizes},
+        "factor_bytes": {str(s): factor_bytes[s] for s in sizes if s in factor_bytes},
         "factor_streaming": factor_streaming,
         "row_kinds": ROW_KINDS,
         "rows": [r.to_json(floor_s.get(r.size)) for r in rows],
+        "link_row_kinds": LINK_ROW_KINDS,
+        "links": build_links(list(link_rows)),
     }
 
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-__all__ = ["BenchConfig", "Row", "ROW_KINDS"]
+from sync_service.netns import parse_rate
+
+__all__ = ["BenchConfig", "LINK_ROW_KINDS", "Placement", "Row", "ROW_KINDS", "guarded"]
 
 # row kind -> one-line description (the table and the JSON use these keys)
 ROW_KINDS = {
@@ -20,6 +23,17 @@ ROW_KINDS = {
     "vllm_delta": "ours, delta sync, 2 trainer shards -> 1 vLLM engine in a Ray actor (--vllm)",
     "vllm_server_delta": "ours, delta sync, 2 trainer shards -> 1 stock vLLM server, weightsync backend (--vllm)",
     "vllm_server_disk": "PEFT merge_and_unload + save_pretrained + the running vLLM server's own reload_weights (--vllm)",
+}
+
+# rows across hosts (``--link``): trainers on one host, engines on others behind the trainers' shaped uplink
+LINK_ROW_KINDS = {
+    "delta": "ours, merged delta sync, trainers' host -> 1 engine host",
+    "factors": "ours, factor streaming (mode='factors') delta sync -> 1 engine host",
+    "auto": "ours, mode='auto' delta sync -> 1 engine host",
+    "delta_fanout2": "ours, merged delta sync -> 2 engines on 2 hosts sharing the trainers' uplink",
+    "gather": "full merged state dict gathered in one trainer, ray.put, engine on its host ray.get + copy",
+    "disk": "PEFT merge_and_unload + save_pretrained, files copied over the link (TCP), engine from_pretrained",
+    "floor": "the delta's payload bytes once over the same link, plain TCP socket",
 }
 
 
@@ -58,6 +72,15 @@ class BenchConfig:
     """Generated models are kept here by shape and reused."""
     work_dir: Path | None = None
     """Scratch space for the disk row's checkpoints (default: a temp dir under ``cache_dir``)."""
+    links: tuple[str, ...] = ()
+    """Link rates (``tc`` spelling, e.g. ``("1gbit", "10gbit")``): per rate, the ``LINK_ROW_KINDS`` rows
+    between network-namespace hosts joined by a link shaped to it; ``()``: one host only."""
+    link_max_size: int = 1
+    """The link rows run at sizes <= this (time: every row's bytes cross the shaped link)."""
+    link_only: bool = False
+    """Run only the rows across hosts (and none of the one-host rows)."""
+    link_transport: str = "ray"
+    """``SyncConfig.transport`` of our rows across hosts (``"ray"``: the object store between nodes; ``"torch"``: gloo over TCP, one trainer shard per channel)."""
     timeout_s: float = 900.0
     """Bound of every blocking step (actor start, push, gather), seconds."""
     json_path: Path | None = None
@@ -72,6 +95,22 @@ class BenchConfig:
             raise ValueError(f"BenchConfig.bucket_bytes={self.bucket_bytes} must be a positive multiple of 64")
         if self.repeats < 1 or self.ep < 1 or self.fanout < 1:
             raise ValueError(f"BenchConfig: repeats={self.repeats}, ep={self.ep}, fanout={self.fanout} must be >= 1")
+        for rate in self.links:
+            parse_rate(rate)  # ValueError naming the rate and the units
+        if len(set(self.links)) != len(self.links):
+            raise ValueError(f"BenchConfig.links={self.links}: a rate appears twice")
+        if self.link_only and not self.links:
+            raise ValueError("BenchConfig.link_only=True without links: give link rates (--link 1gbit)")
+        if self.links and not self.link_sizes():
+            raise ValueError(f"BenchConfig: links={self.links} but no size of {self.sizes} is <= link_max_size="
+                             f"{self.link_max_size}; add size 1 or raise link_max_size")
+        if self.link_transport not in ("torch", "ray"):
+            raise ValueError(f"BenchConfig.link_transport={self.link_transport!r}: use 'torch' or 'ray' (shm would "
+                             "bypass the link)")
+
+    def link_sizes(self) -> list[int]:
+        """The sizes the link rows run at."""
+        return [s for s in sorted(set(self.sizes)) if s <= self.link_max_size]
 
     def runs(self, kind: str, size: int) -> bool:
         """Whether row ``kind`` runs at ``size`` (the size plan)."""
@@ -79,6 +118,20 @@ class BenchConfig:
                  "disk": self.disk_max_size, "live_fsdp2": self.live_max_size,
                  "vllm": self.vllm_max_size if self.vllm else 0}
         return size <= limit.get(kind, size)
+
+
+@dataclass(kw_only=True, slots=True)
+class Placement:
+    """Where a row's actors run: Ray actor options (e.g. ``{"resources": {"host_a": 0.01}}``) for the
+    trainers and for each engine host; engine ``i`` goes to host ``i % len(engine_options)``.
+    The default places everything anywhere (the one-host rows)."""
+
+    trainer_options: dict = field(default_factory=dict)
+    engine_options: tuple[dict, ...] = ({},)
+
+    def engines(self, count: int, first: int = 0) -> list[dict]:
+        """Actor options of engines ``first .. first + count - 1``."""
+        return [dict(self.engine_options[i % len(self.engine_options)]) for i in range(first, first + count)]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -91,6 +144,10 @@ class Row:
     ``rss.allocated_bytes``) over their value before the row's first run; ``trainer_peak_extra_rss_bytes``
     the same for RSS (which also counts the first read of a memory-mapped base shard);
     ``trainer_gathered_bytes`` a trainer's reused factor gather buffers (live trainer row).
+    ``engine_peak_extra_bytes`` the same growth of allocated bytes for one engine process (factor mode:
+    its resident pristine copies). Across hosts (``link``: the rate, e.g. ``"1gbit"``; ``""`` on one
+    host): ``wire_bytes`` left the trainers' host through its uplink during the median run, counted
+    by the kernel at the interface (``bench.wire``); ``wire_rx_bytes`` reached each engine host.
     """
 
     kind: str
@@ -105,6 +162,10 @@ class Row:
     trainer_peak_extra_rss_bytes: int = 0
     engine_peak_rss_bytes: int = 0
     trainer_gathered_bytes: int = 0
+    engine_peak_extra_bytes: int = 0
+    wire_bytes: int = 0
+    wire_rx_bytes: list[int] = field(default_factory=list)
+    link: str = ""
     note: str = ""
 
     @property
@@ -126,3 +187,16 @@ def median_index(seconds: list[float]) -> int:
     """Index of the run whose seconds is the (lower) median: its stage breakdown is reported."""
     order = sorted(range(len(seconds)), key=seconds.__getitem__)
     return order[(len(order) - 1) // 2]
+
+
+def guarded(failed: list[dict], what: str, size: int, say, step) -> None:
+    """Run one row step; a failure (e.g. a Ray OOM kill) is recorded in ``failed`` as ``{"row", "size",
+    "error"}`` and the run goes on."""
+    try:
+        step()
+    except Exception as exc:  # the report names it; the other rows still mean something
+        text = str(exc).strip().splitlines()
+        failed.append({"row": what, "size": size, "error": f"{type(exc).__name__}: {text[0][:500] if text else ''}"})
+        say(f"  {size}x {what} FAILED: {failed[-1]['error']}")
+    finally:
+        gc.collect()

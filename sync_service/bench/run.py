@@ -3,7 +3,8 @@
 One local Ray (2 CPUs, own temp dir) for the run; every row starts its own actors and kills them at
 its end (``gc`` in between), so rows never share memory. Order per size: ours (delta, full,
 fan-out), the live FSDP2 trainer, floor (the bytes of our delta sync), full-gather, disk, and with ``--vllm``
-the vLLM rows. Then the factor-streaming row
+the vLLM rows. Then, per ``cfg.links`` rate, the rows across namespace hosts (``link_run``), and the
+factor-streaming row
 (``sync_service.factor_stream.factor_streaming_row``, in process).
 """
 
@@ -23,7 +24,7 @@ from sync_service.bench.live import run_live
 from sync_service.bench.model import ensure_model, model_for_size
 from sync_service.bench.ours import run_ours
 from sync_service.bench.report import build_report
-from sync_service.bench.rows import BenchConfig, Row
+from sync_service.bench.rows import BenchConfig, Row, guarded
 from sync_service.bench.rss import RssSampler
 from sync_service.bench.vllm_rows import run_vllm
 
@@ -55,12 +56,47 @@ def _factor_streaming(quick: bool) -> dict:
     return {**row, "model": sizes or "factor_streaming_row defaults"}
 
 
+def _links(cfg: BenchConfig, say) -> tuple[list[Row], list[dict]]:
+    """The rows across hosts (``link_run.run_links``) at the sizes <= ``cfg.link_max_size``."""
+    if not cfg.links:
+        return [], []
+    from sync_service.bench.link_run import run_links
+
+    models = {s: ensure_model(model_for_size(s, quick=cfg.quick), cfg.cache_dir) for s in cfg.link_sizes()}
+    return run_links(cfg, models, say=say)
+
+
+def _one_host(model, cfg: BenchConfig, size: int, rows: list[Row], failed: list[dict], launcher, work: Path, tmp: Path,
+              say) -> None:
+    """The one-host rows at ``size`` (local Ray, started once): ours, live FSDP2 trainer, floor, full-gather, disk,
+    vLLM (``--vllm``)."""
+    import ray
+
+    from sync_service.sync_cli import start_ray
+
+    if not ray.is_initialized():
+        start_ray(tmp / "ray")
+    guarded(failed, "ours", size, say, lambda: run_ours(model, cfg, size, rows, launcher, say=say))
+    if cfg.runs("live_fsdp2", size):
+        guarded(failed, "live_fsdp2", size, say, lambda: rows.append(run_live(model, cfg, size, launcher, say=say)))
+    delta = next((r for r in rows if r.kind == "delta" and r.size == size), None)
+    if delta is not None:
+        say(f"  {size}x floor")
+        guarded(failed, "floor", size, say, lambda: rows.append(run_floor(delta.bytes, cfg, size, model.shape.bf16_bytes())))
+    if cfg.runs("gather", size):
+        guarded(failed, "gather", size, say, lambda: rows.append(run_gather(model, cfg, size, launcher, say=say)))
+    if cfg.runs("disk", size):
+        guarded(failed, "disk", size, say, lambda: rows.append(run_disk(model, cfg, size, work, launcher, say=say)))
+    if cfg.runs("vllm", size):
+        guarded(failed, "vllm", size, say, lambda: run_vllm(model, cfg, size, rows, launcher, work, say=say))
+
+
 def run_bench(cfg: BenchConfig, *, launcher, argv: list[str] | None = None, say=_say) -> dict:
     """Run every row the size plan allows (actors from ``launcher``, a ``protocols.endpoints.Launcher``);
     returns the report (``report.build_report``)."""
     import ray
 
-    from sync_service.sync_cli import quiet_libraries, start_ray
+    from sync_service.sync_cli import quiet_libraries
 
     quiet_libraries()
     machine = {"cpus": os.cpu_count(), "load_before": os.getloadavg(), "argv": list(argv or [])}
@@ -71,48 +107,27 @@ def run_bench(cfg: BenchConfig, *, launcher, argv: list[str] | None = None, say=
     cfg.cache_dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="disk-", dir=cfg.work_dir or cfg.cache_dir))
     try:
-        for size in sorted(set(cfg.sizes)):
+        for size in cfg.link_sizes() if cfg.link_only else sorted(set(cfg.sizes)):
             shape = model_for_size(size, quick=cfg.quick)
             say(f"{size}x: model {shape.key()} ({shape.bf16_bytes() / 1e9:.3f} GB bf16)")
             model = ensure_model(shape, cfg.cache_dir)
             factor_bytes[size] = model.factor_bytes()
-            if not ray.is_initialized():
-                start_ray(tmp / "ray")
-            _guard(failed, "ours", size, say, lambda: run_ours(model, cfg, size, rows, launcher, say=say))
-            if cfg.runs("live_fsdp2", size):
-                _guard(failed, "live_fsdp2", size, say, lambda: rows.append(run_live(model, cfg, size, launcher, say=say)))
-            delta = next((r for r in rows if r.kind == "delta" and r.size == size), None)
-            if delta is not None:
-                say(f"  {size}x floor")
-                _guard(failed, "floor", size, say, lambda: rows.append(run_floor(delta.bytes, cfg, size, shape.bf16_bytes())))
-            if cfg.runs("gather", size):
-                _guard(failed, "gather", size, say, lambda: rows.append(run_gather(model, cfg, size, launcher, say=say)))
-            if cfg.runs("disk", size):
-                _guard(failed, "disk", size, say, lambda: rows.append(run_disk(model, cfg, size, work, launcher, say=say)))
-            if cfg.runs("vllm", size):
-                _guard(failed, "vllm", size, say, lambda: run_vllm(model, cfg, size, rows, launcher, work, say=say))
+            if not cfg.link_only:
+                _one_host(model, cfg, size, rows, failed, launcher, work, tmp, say)
         ray.shutdown()
-        say("factor streaming row")
+        link_rows, link_failed = _links(cfg, say)
+        failed += link_failed
         factor_streaming: dict = {}
-        _guard(failed, "factor_streaming", 0, say, lambda: factor_streaming.update(_factor_streaming(cfg.quick)))
+        if not cfg.link_only:
+            say("factor streaming row")
+            guarded(failed, "factor_streaming", 0, say, lambda: factor_streaming.update(_factor_streaming(cfg.quick)))
     finally:
         if ray.is_initialized():
             ray.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
     machine["load_after"] = os.getloadavg()
-    report = build_report(rows, cfg, factor_bytes=factor_bytes, factor_streaming=factor_streaming, machine=machine)
+    report = build_report(rows, cfg, factor_bytes=factor_bytes, factor_streaming=factor_streaming, machine=machine,
+                          link_rows=link_rows)
     report["failed"] = failed
     return report
-
-
-def _guard(failed: list[dict], what: str, size: int, say, step) -> None:
-    """Run one row step; a failure (e.g. a Ray OOM kill) is recorded in ``failed`` and the run goes on."""
-    try:
-        step()
-    except Exception as exc:  # the report names it; the other rows still mean something
-        text = str(exc).strip().splitlines()
-        failed.append({"row": what, "size": size, "error": f"{type(exc).__name__}: {text[0][:500] if text else ''}"})
-        say(f"  {size}x {what} FAILED: {failed[-1]['error']}")
-    finally:
-        gc.collect()
