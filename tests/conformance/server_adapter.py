@@ -93,7 +93,7 @@ class ServerAdapter:
                                    names=frozenset(names), timeout_s=self.timeout_s)
         finally:
             received.result(timeout=self.timeout_s + 60)  # the server's error, if it failed, is the one raised
-        modules = int((self.server.status().get("received") or {}).get("modules", -1))
+        modules = int(self.server.status()["received"]["modules"])  # the worker's reload of this sync
         self._finished = True
         return FinishReport(tensors=len(names), modules=modules, seconds=time.perf_counter() - t0)
 
