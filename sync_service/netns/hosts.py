@@ -35,6 +35,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = ["Host", "HostsConfig", "HostsError", "Listener", "NamespaceHosts", "WireBytes", "available",
@@ -301,10 +302,7 @@ class NamespaceHosts:
         """Cut ``host`` off the switch (``up=False``: its bridge port goes down, packets are lost as on
         a pulled cable; its own address stays) or reconnect it (then every host forgets the failed
         address resolutions of the cut, so connecting works at once instead of after ARP's backoff)."""
-        set_link(self.hosts[host], up=up, timeout_s=self.config.timeout_s)
-        if up:
-            for h in self.hosts.values():
-                _ip("neigh", "flush", "dev", "eth0", ns=h.netns, timeout_s=self.config.timeout_s)
+        set_link(self.hosts[host], up=up, peers=list(self.hosts.values()), timeout_s=self.config.timeout_s)
 
     def wire_bytes(self, host: str) -> WireBytes:
         """Bytes sent and received so far by ``host``'s ``eth0``."""
@@ -331,10 +329,13 @@ class NamespaceHosts:
         _remove_netns([*(h.netns for h in self.hosts.values()), self.switch], self.config.timeout_s)
 
 
-def set_link(host: Host, *, up: bool, timeout_s: float = 30.0) -> None:
-    """``NamespaceHosts.set_link`` for a ``Host`` shipped to another process (needs root there); a
-    reconnected host is reachable once the peers' failed address resolutions expire (seconds)."""
+def set_link(host: Host, *, up: bool, peers: Sequence[Host] = (), timeout_s: float = 30.0) -> None:
+    """``NamespaceHosts.set_link`` for a ``Host`` shipped to another process (needs root there).
+    Reconnecting flushes the neighbour caches of ``peers`` (give every host); a host left out
+    reaches the reconnected one once its failed address resolutions expire (seconds)."""
     _ip("link", "set", host.port, "up" if up else "down", ns=host.switch, timeout_s=timeout_s)
+    for peer in peers if up else ():
+        _ip("neigh", "flush", "dev", "eth0", ns=peer.netns, timeout_s=timeout_s)
 
 
 def wire_bytes(host: Host, *, timeout_s: float = 30.0) -> WireBytes:

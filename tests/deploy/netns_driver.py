@@ -176,7 +176,7 @@ def link_cut(run: Run, done) -> None:
         out["cut"].update(seconds=time.monotonic() - t0, version=v, survivor=run.check(run.engines[:-1]))
         done("cut", **out)
         ray.get([t.__ray_call__.remote(inject.heal_trainer) for t in run.trainers], timeout=run.timeout_s)
-        set_link(cut_host, up=True)
+        set_link(cut_host, up=True, peers=run.hosts)
         answering(victim, run.timeout_s * 2)
         name = sync.add_engine(victim)
         out["rejoin"] = {"name": name, "join": str(sync.joins[-1]), "checks": run.check([victim])}
