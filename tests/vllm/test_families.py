@@ -1,9 +1,8 @@
 """Every family vLLM 0.32's CPU build serves (``VLLM_FAMILIES`` rows without a refusal), synced into vLLM.
 
-Per family: a tiny base in the first dtype of its row (fp32; qwen3_next bf16), H=64 so head_dim is 32
-(vLLM's CPU attention accepts it; MLA families H=768, see ``HIDDEN``), I=32, E=4, with the config keys
-the released checkpoints carry (``AS_RELEASED``); and a LoRA adapter (``target_parameters`` on the
-experts + LoRA on the attention projections). Oracle: PEFT's ``merge_and_unload`` (float64, cast once)
+Per family: a tiny base in the first dtype of its row (fp32), H=64 so head_dim is 32 (vLLM's CPU
+attention accepts it), I=32, E=4; and a LoRA adapter (``target_parameters`` on the experts + LoRA on the
+attention projections). Oracle: PEFT's ``merge_and_unload`` (float64, cast once)
 of versions 0 and 1 (factors stepped as the trainers step them), each decoded by a fresh plain vLLM —
 all selected families in one subprocess, before any engine under test (one vLLM engine at a time).
 Then, in one Ray session, per family: 2 EP trainer shards → WeightSync → one in-process vLLM engine
@@ -30,23 +29,6 @@ PROMPTS = ([1, 5, 9, 13, 17, 21], [2, 3, 5, 7, 11, 13, 17], list(range(3, 40)))
 MAX_NEW_TOKENS = 8
 VERSIONS = 2
 LOGPROB_ATOL = {"float32": 1e-4, "bfloat16": 5e-2}
-HIDDEN = {"deepseek_v2": 768, "deepseek_v3": 768}  # MLA: kv_lora_rank + qk_rope_head_dim = 3/4·H must be 576 for vLLM
-AS_RELEASED = {  # config.json keys the released checkpoints carry, vLLM reads, and transformers 5.19 does not write
-    "deepseek_v3": {"topk_method": "noaux_tc"},
-    "gpt_oss": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0, "beta_fast": 32.0,
-                                    "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}},
-}
-
-
-def _as_released(base, family: str):
-    """The base with ``AS_RELEASED[family]`` written into its ``config.json`` (weights untouched)."""
-    import json
-
-    config_path = base / "config.json"
-    config_path.write_text(json.dumps(json.loads(config_path.read_text()) | AS_RELEASED.get(family, {}), indent=2))
-    return base
-
-
 @pytest.fixture(scope="module")
 def cases(request, tmp_path_factory):
     """family → (base, adapter), and the oracle's outputs keyed ``"family/version"``, for the families
@@ -60,8 +42,8 @@ def cases(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-families")
     files, runs = {}, {}
     for family in (f for f in FAMILIES if f in selected):
-        base = _as_released(make_base(family, root / family / "base", dtype=VLLM_FAMILIES[family].dtypes[0],
-                                      hidden=HIDDEN.get(family, 64), intermediate=32, vocab_size=128, scale=0.1), family)
+        base = make_base(family, root / family / "base", dtype=VLLM_FAMILIES[family].dtypes[0], hidden=64,
+                         intermediate=32, vocab_size=128, scale=0.1)
         adapter = make_adapter(family, base, root / family / "lora", kind="target_parameters", r=4, lora_alpha=16,
                                init_scale=0.3, seed=1)
         files[family] = (base, adapter)

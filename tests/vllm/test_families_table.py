@@ -27,11 +27,11 @@ def table() -> str:
     """The markdown table (no markers)."""
     lines = ["| family | `model_type` | vLLM architecture | synced into vLLM | why not |", "|---|---|---|---|---|"]
     for family, row in sorted(VLLM_FAMILIES.items()):
-        if row.refused is not None:
-            verdict, why = "refused", row.refusal
-        else:
-            verdict = f"✓ (verified in {row.dtypes[0]})"
-            why = "" if row.dtype_refused is None else f"other dtypes: {REFUSALS[row.dtype_refused]}"
+        verdict = "refused" if row.refused is not None else f"✓ (verified in {row.dtypes[0]})"
+        reasons = [row.refusal] if row.refused is not None else []
+        if row.dtype_refused is not None:
+            reasons.append(f"other dtypes than {', '.join(row.dtypes)}: {REFUSALS[row.dtype_refused]}")
+        why = "; ".join(reasons)
         lines.append(f"| {family} | `{row.model_type}` | `{row.architecture}` | {verdict} | {why} |")
     return "\n".join(lines)
 
@@ -79,6 +79,9 @@ def test_refusal_claims_hold():
     assert "PhiMoEForCausalLM" in registered
     assert "does not dispatch through the Transformers" in inspect.getsource(transformers_backend)
     assert "CPU GDN attention requires BF16" in inspect.getsource(gdn_attention)
+    from vllm.model_executor.models import gpt_oss
+
+    assert "param.data.copy_(narrow_weight)" in inspect.getsource(gpt_oss)
     assert not hasattr(torch.ops._C, "selective_scan_fwd")
     from vllm.model_executor.layers.attention.mla_attention import MLACommonBackend
 
@@ -107,6 +110,16 @@ def test_refused_family_fails_preflight_in_one_line(tmp_path):
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
     assert lines[0].startswith("weightsync sync: error: --engine vllm: model family") and family in lines[0], lines
+
+
+def test_dtype_the_family_cannot_serve_is_refused(tmp_path):
+    family, row = next((f, r) for f, r in sorted(VLLM_FAMILIES.items()) if r.dtype_refused)
+    other = next(d for d in ("float32", "bfloat16") if d not in row.dtypes)
+    with pytest.raises(ValueError, match=f"model family {family} in {other} cannot be synced into vLLM: .*save the "
+                                         f"checkpoint in {row.dtypes[0]}"):
+        check_family(make_base(family, tmp_path / "base", dtype=other, hidden=64, intermediate=32))
+    if row.refused is None:
+        check_family(make_base(family, tmp_path / "ok", dtype=row.dtypes[0], hidden=64, intermediate=32))
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ REFUSALS: dict[str, str] = {
                                 "linear-attention layers (they do not dispatch through the Transformers attention interface)",
     "backend_router": "vLLM 0.32 has no class for the architecture transformers writes (PhimoeForCausalLM; vLLM's is "
                       "PhiMoEForCausalLM), and its Transformers backend fails in the family's router",
+    "loader_bypass": "vLLM's loader for the model copies the fused experts straight into its parameters, not through "
+                     "their weight_loader, so weightsync cannot tell which vLLM module they feed (layer_map.py)",
     "unverified": "a sync into vLLM is not verified for this family yet (tests/vllm/test_families.py does not run it)",
 }
 """Why vLLM refuses a family, by cause; ``tests/vllm/test_families_table.py`` checks each cause's claim."""
@@ -64,7 +66,7 @@ VLLM_FAMILIES: dict[str, VLLMFamily] = {
     "mixtral": VLLMFamily(model_type="mixtral", architecture="MixtralForCausalLM"),
     "olmoe": VLLMFamily(model_type="olmoe", architecture="OlmoeForCausalLM"),
     "deepseek_v3": VLLMFamily(model_type="deepseek_v3", architecture="DeepseekV3ForCausalLM", refused="unverified"),
-    "gpt_oss": VLLMFamily(model_type="gpt_oss", architecture="GptOssForCausalLM", refused="unverified"),
+    "gpt_oss": VLLMFamily(model_type="gpt_oss", architecture="GptOssForCausalLM", refused="loader_bypass"),
     "qwen3_vl_moe": VLLMFamily(model_type="qwen3_vl_moe", architecture="Qwen3VLMoeForConditionalGeneration",
                                refused="torchvision"),
     "llama4": VLLMFamily(model_type="llama4_text", architecture="Llama4ForCausalLM"),
@@ -77,7 +79,7 @@ VLLM_FAMILIES: dict[str, VLLMFamily] = {
     "deepseek_v2": VLLMFamily(model_type="deepseek_v2", architecture="DeepseekV2ForCausalLM", refused="unverified"),
     "dots1": VLLMFamily(model_type="dots1", architecture="Dots1ForCausalLM", refused="unverified"),
     "ernie4_5_moe": VLLMFamily(model_type="ernie4_5_moe", architecture="Ernie4_5_MoeForCausalLM"),
-    "hunyuan_v1_moe": VLLMFamily(model_type="hunyuan_v1_moe", architecture="HunYuanMoEV1ForCausalLM", refused="unverified"),
+    "hunyuan_v1_moe": VLLMFamily(model_type="hunyuan_v1_moe", architecture="HunYuanMoEV1ForCausalLM"),
     "minimax": VLLMFamily(model_type="minimax", architecture="MiniMaxForCausalLM", refused="backend_linear_attention"),
     "phimoe": VLLMFamily(model_type="phimoe", architecture="PhimoeForCausalLM", refused="backend_router"),
     "jamba": VLLMFamily(model_type="jamba", architecture="JambaForCausalLM", refused="mamba_kernel"),
@@ -98,10 +100,10 @@ def check_family(model_dir: str | Path) -> None:
     if hit is None:
         return
     family, row = hit
-    if row.refused is not None:
-        raise ValueError(f"model family {family} (model_type {model_type!r}) cannot be synced into vLLM: "
-                         f"{row.refusal}; use --engine hf (the transformers engine serves every family)")
     dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
     if dtype not in row.dtypes:
         raise ValueError(f"model family {family} in {dtype} cannot be synced into vLLM: {REFUSALS[row.dtype_refused]}; "
                          f"save the checkpoint in {' or '.join(row.dtypes)}, or use --engine hf")
+    if row.refused is not None:
+        raise ValueError(f"model family {family} (model_type {model_type!r}) cannot be synced into vLLM: "
+                         f"{row.refusal}; use --engine hf (the transformers engine serves every family)")
