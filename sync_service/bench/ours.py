@@ -4,8 +4,9 @@ Per size: start the trainer shards (EP) and one transformers engine, then
   1. ``delta`` and ``full`` side by side: one ``WeightSync`` with ``delta=True`` and (sizes the plan
      allows) one with ``delta=False`` on the same actors, each with one untimed first sync (a delta
      ``WeightSync``'s first push is full; the first push of a channel maps its ring), then
-     ``repeats`` rounds of (training step, delta push, training step, full push): the two rows share
-     every minute of the machine's load, so their ratio (``delta_vs_full``) compares work, not noise;
+     ``repeats`` rounds of (training step, delta push, training step, full push; every other round
+     full first): the two rows share every minute of the machine's load, so their ratio
+     (``delta_vs_full``) compares work, not noise;
   2. ``delta_fanout4`` (sizes the plan allows): ``fanout - 1`` more engines, a third ``WeightSync``
      over all of them, one untimed full sync, ``repeats`` delta syncs.
 Every actor is killed at the end. Seconds are ``SyncMetrics.seconds`` (transfer after the snapshot,
@@ -63,8 +64,8 @@ class PushRuns:
     def rows(self, kinds: dict[str, bool | dict], engines: list, engine_pids: list[int] | None = None) -> list[Row]:
         """One row per ``kind -> delta`` (or ``kind -> SyncConfig fields``, e.g. ``{"mode": "factors"}``;
         ``delta`` defaults to True): a ``WeightSync`` each over ``engines``, one untimed first push
-        each, then ``repeats`` rounds with one push of every kind, in turn. ``engine_pids``: the processes
-        whose RSS is the engines' (default: the engine actors')."""
+        each, then ``repeats`` rounds with one push of every kind, in turn (reversed every other round).
+        ``engine_pids``: the processes whose RSS is the engines' (default: the engine actors')."""
         groups = {"trainer": self.tpids, "engine": engine_pids or [actor_pid(e) for e in engines]}
         fields = {k: {"delta": v} if isinstance(v, bool) else {"delta": True, **v} for k, v in kinds.items()}
         syncs: dict = {}
@@ -78,8 +79,9 @@ class PushRuns:
                         syncs[kind] = self._open(engines, kw)
                         syncs[kind].push(self._next())
                     windows[kind].append(window)
-                for _ in range(self.cfg.repeats):
-                    for kind, kw in fields.items():
+                order = list(fields.items())
+                for i in range(self.cfg.repeats):  # ABBA: neither kind always runs first after a training step
+                    for kind, kw in order if i % 2 == 0 else order[::-1]:
                         metrics[kind].append(self._push(kind, syncs[kind], kw["delta"], groups, windows[kind], wire[kind]))
         finally:
             for sync in syncs.values():
