@@ -104,6 +104,12 @@ class BenchConfig:
         if self.links and not self.link_sizes():
             raise ValueError(f"BenchConfig: links={self.links} but no size of {self.sizes} is <= link_max_size="
                              f"{self.link_max_size}; add size 1 or raise link_max_size")
+        if not 0 < self.timeout_s < float("inf"):  # also refuses NaN
+            raise ValueError(f"BenchConfig.timeout_s={self.timeout_s} must be a finite number of seconds > 0")
+        for flag, out in (("--json", self.json_path), ("--plot", self.plot_path)):
+            if out is not None and not Path(out).parent.is_dir():  # checked before a run of minutes, not after
+                raise ValueError(f"{flag} {out}: directory {Path(out).parent} does not exist; create it or choose "
+                                 "another path")
         if self.link_transport not in ("torch", "ray"):
             raise ValueError(f"BenchConfig.link_transport={self.link_transport!r}: use 'torch' or 'ray' (shm would "
                              "bypass the link)")

@@ -13,6 +13,8 @@ every rank, before any byte moves, naming the parameter and the fix.
 from __future__ import annotations
 
 import hashlib
+import math
+import operator
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
@@ -51,7 +53,8 @@ def attach_trainer(model, *, group=None, expert_range: tuple[int, int] | None = 
 
     Raises:
         TypeError: not a PEFT model. AttachError: a bad adapter name, a sharding the endpoint cannot read,
-            expert ranges that do not tile the experts, or ranks that disagree — on every rank.
+            an ``expert_range`` that is not two ints ``0 <= e0 < e1``, expert ranges that do not tile the
+            experts, or ranks that disagree — on every rank; a ``timeout_s`` that is not finite and > 0.
         RuntimeError: not inside a Ray actor.
     """
     import ray
@@ -79,16 +82,19 @@ def build_endpoint(model, *, group, rank: int, world: int, expert_range=None, ad
     Raises:
         As ``attach_trainer``.
     """
-    error, state, shape_digest = None, None, 0
+    if not 0 < timeout_s < math.inf:  # also NaN; the same on every rank (before any collective)
+        raise AttachError(f"attach_trainer: timeout_s={timeout_s!r} must be a finite number of seconds > 0")
+    error, state, shape_digest, experts_at = None, None, 0, None
     try:
+        experts_at = _expert_range(expert_range)
         live = read_live_model(model, adapter_name=adapter_name)
         check_keys_match_peft(live, model)
-        shape_digest = _digest(live, expert_range)
-        experts = None if expert_range is None else _expert_block(expert_range, world)
+        shape_digest = _digest(live, experts_at)
+        experts = None if experts_at is None else _expert_block(experts_at, world)
         state = LiveState(live, group=group, rank=rank, world=world, experts=experts, timeout_s=timeout_s)
     except (ValueError, TypeError) as exc:
         error = exc
-    ranges = _agree(rank, world, group, error, shape_digest, expert_range, timeout_s)
+    ranges = _agree(rank, world, group, error, shape_digest, experts_at, timeout_s)
     if expert_range is not None:
         _check_tiling(ranges)
     state.prepare()  # normalises the adapter once: a collective with DTensor factors
@@ -143,10 +149,26 @@ def _agree(rank: int, world: int, group, error, digest: int, expert_range, timeo
     return [(int(row[2]), int(row[3])) for row in rows]
 
 
-def _expert_block(expert_range, world: int) -> ExpertBlock:
-    e0, e1 = (int(e) for e in expert_range)
-    if not 0 <= e0 < e1:
-        raise ValueError(f"attach_trainer: expert_range=({e0}, {e1}) must satisfy 0 <= e0 < e1")
+def _expert_range(expert_range) -> tuple[int, int] | None:
+    """``expert_range`` as two ints ``0 <= e0 < e1 < 2**62`` (what the ranks all-gather as int64), or ``None``.
+
+    Raises:
+        ValueError: anything else (a triple, floats, strings, bools, a reversed or negative range).
+    """
+    if expert_range is None:
+        return None
+    try:
+        e0, e1 = (operator.index(e) for e in expert_range if not isinstance(e, bool))
+    except (TypeError, ValueError):
+        e0 = e1 = -1
+    if not 0 <= e0 < e1 < 1 << 62:
+        raise ValueError(f"attach_trainer: expert_range={expert_range!r} must be two ints (e0, e1) with 0 <= e0 < e1: "
+                         f"the global experts [e0, e1) this rank holds")
+    return e0, e1
+
+
+def _expert_block(expert_range: tuple[int, int], world: int) -> ExpertBlock:
+    e0, e1 = expert_range
     return ExpertBlock(start=e0, stop=e1, num_experts=(e1 - e0) * world)
 
 

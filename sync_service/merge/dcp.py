@@ -14,7 +14,8 @@ the base by ``unload()`` + ``save_pretrained`` — the on-disk layout is the fam
 its PEFT oracle see exactly what a trainer saving HF files would have written. Memory: the whole state once.
 
 ``.metadata`` is a pickle; it is read by an unpickler that only builds DCP's metadata records, ``torch.Size``
-and dtypes (anything else is refused), never by ``pickle.load``.
+and dtypes (anything else is refused), sets state only on fresh records (never on a class, an enum member
+or a dtype), and whose data files must be plain names inside the directory — never by ``pickle.load``.
 """
 
 from __future__ import annotations
@@ -47,13 +48,50 @@ def is_dcp_dir(path: str | Path) -> bool:
     return (Path(path) / METADATA).is_file()
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+# records a BUILD may fill: each is a fresh instance NEWOBJ made (never a class, enum member or dtype)
+_BUILDABLE = frozenset(f"torch.distributed.checkpoint.{n}" for n in (
+    "metadata.Metadata", "metadata.TensorStorageMetadata", "metadata.BytesStorageMetadata",
+    "metadata.ChunkStorageMetadata", "metadata.TensorProperties", "metadata.MetadataIndex", "metadata.StorageMeta",
+    "filesystem._StorageInfo"))
+
+
+class _MetadataUnpickler(pickle._Unpickler):  # the pure-Python unpickler: its BUILD can be checked
+    dispatch = dict(pickle._Unpickler.dispatch)
+
     def find_class(self, module: str, name: str):
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         if name in _ALLOWED.get(module, ()):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"refused global {module}.{name}")
+
+    def load_build(self) -> None:
+        target = type(self.stack[-2]) if len(self.stack) > 1 else type(None)
+        if f"{target.__module__}.{target.__qualname__}" not in _BUILDABLE:
+            raise pickle.UnpicklingError(f"refused to set the state of a {target.__qualname__}")
+        pickle._Unpickler.load_build(self)
+
+    dispatch[pickle.BUILD[0]] = load_build
+
+
+def _check_metadata(path: Path, metadata) -> None:
+    """Raises ValueError unless ``metadata`` is DCP ``Metadata`` whose tensor entries have sizes of
+    non-negative ints and torch dtypes, and whose data files are plain names inside ``path``."""
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+    if not isinstance(metadata, Metadata):
+        raise ValueError(f"holds a {type(metadata).__name__}, not DCP Metadata")
+    if not isinstance(metadata.state_dict_metadata, dict) or not isinstance(metadata.storage_data, dict):
+        raise ValueError("its state_dict_metadata / storage_data are not dicts")
+    for key, m in metadata.state_dict_metadata.items():
+        if isinstance(m, TensorStorageMetadata) and not (
+                isinstance(m.size, torch.Size) and all(isinstance(n, int) and n >= 0 for n in m.size)
+                and isinstance(getattr(m.properties, "dtype", None), torch.dtype)):
+            raise ValueError(f"entry {key!r} has size {m.size!r}, dtype {getattr(m.properties, 'dtype', None)!r}")
+    for info in metadata.storage_data.values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            raise ValueError(f"data file {name!r} is not a file name inside {path}")
 
 
 def _reader(path: Path):
@@ -65,6 +103,7 @@ def _reader(path: Path):
         def read_metadata(self, *args, **kwargs):
             with (Path(self.path) / METADATA).open("rb") as f:
                 metadata = _MetadataUnpickler(f).load()
+            _check_metadata(Path(self.path), metadata)
             if getattr(metadata, "storage_meta", None) is None:
                 from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -90,7 +129,7 @@ def read_dcp_state(path: str | Path) -> dict[str, torch.Tensor]:
     reader = _reader(path)
     try:
         metadata = reader.read_metadata()
-    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, TypeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - any error of a hostile or damaged pickle means: not DCP metadata
         raise MergeError(f"{path / METADATA}: not a torch.distributed.checkpoint metadata file ({exc}); "
                          f"save the checkpoint with torch.distributed.checkpoint.save") from None
     entries = metadata.state_dict_metadata
@@ -98,7 +137,10 @@ def read_dcp_state(path: str | Path) -> dict[str, torch.Tensor]:
     if others:
         raise MergeError(f"{path}: holds non-tensor entries {others[:3]}; save only the model state "
                          f"(get_model_state_dict), not the optimizer or trainer state")
-    state = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in entries.items()}
+    try:
+        state = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in entries.items()}
+    except RuntimeError as exc:  # sizes whose product overflows or exceeds memory
+        raise MergeError(f"{path}: cannot hold its tensors ({' '.join(str(exc).split())[:200]})") from None
     try:
         dcp.load(state, storage_reader=_reader(path), no_dist=True)
     except Exception as exc:  # noqa: BLE001 - DCP wraps every read error in its own exception types

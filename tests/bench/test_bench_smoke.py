@@ -83,3 +83,19 @@ def test_bad_settings_are_refused_with_the_value():
         BenchConfig(bucket_bytes=100)
     with pytest.raises(SystemExit):
         main(["bench", "--sizes", "1,x"])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--timeout", "0"], "timeout_s=0.0 must be a finite number of seconds > 0"),
+    (["--timeout", "nan"], "timeout_s=nan must be a finite number of seconds > 0"),
+    (["--json", "{missing}/r.json"], "--json {missing}/r.json: directory {missing} does not exist"),
+    (["--plot", "{missing}/p.png"], "--plot {missing}/p.png: directory {missing} does not exist"),
+])
+def test_bad_flags_refused_before_any_row(flags, message, tmp_path, capsys):
+    """A bad --timeout or an output path in a missing directory ends ``weightsync bench`` at once (exit 2, one
+    line), not after the rows ran (no launcher is given: starting anything would fail differently)."""
+    missing = str(tmp_path / "missing")
+    assert main(["bench", "--quick", *[f.format(missing=missing) for f in flags]]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("weightsync bench: error: ") and message.format(missing=missing) in err, err
+    assert err.count("\n") == 1 and not (tmp_path / "missing").exists()

@@ -219,3 +219,56 @@ def test_dcp_inputs_refused_in_one_line(capsys, good, tmp_path):
     _merge_fails(capsys, foreign, foreign, tmp_path / "o2", "without config.json", "save_pretrained")
     shutil.copy2(base / "config.json", foreign / "config.json")
     _merge_fails(capsys, foreign, good[1], tmp_path / "o3", "is not the", "unexpected ['model.w']")
+
+
+def _class_build(module: str, name: str, attr: str) -> bytes:
+    """A pickle that sets ``attr`` on the class ``module.name`` itself (BUILD with slot state on a GLOBAL)."""
+    import pickle as p
+
+    return (p.PROTO + b"\x02" + p.GLOBAL + f"{module}\n{name}\n".encode() + p.NONE + p.EMPTY_DICT
+            + p.SHORT_BINUNICODE + bytes([len(attr)]) + attr.encode() + p.NONE + p.SETITEM + p.TUPLE2 + p.BUILD + p.STOP)
+
+
+def _edited_metadata(path: Path, edit) -> bytes:
+    import pickle
+
+    meta = pickle.loads((path / ".metadata").read_bytes())  # the test's own file
+    edit(meta)
+    return pickle.dumps(meta)
+
+
+def _outside(meta) -> None:
+    for info in meta.storage_data.values():
+        info.relative_path = "../secret/" + info.relative_path
+
+
+def _negative(meta) -> None:
+    meta.state_dict_metadata["model.w"].size = torch.Size([-1, 3])
+
+
+def test_dcp_hostile_metadata_changes_nothing(tmp_path):
+    """A ``.metadata`` pickle that sets attributes on an allowed class, points its data files outside the
+    directory (another checkpoint's tensors would be read) or gives negative sizes is refused as not DCP
+    metadata (MergeError naming the file): no class is changed, no file outside is read."""
+    import pathlib
+
+    import torch.distributed.checkpoint as dcp
+
+    from sync_service.merge.dcp import read_dcp_state
+    from sync_service.merge.errors import MergeError
+
+    good_dir, secret = tmp_path / "good", tmp_path / "secret"
+    dcp.save({"model.w": torch.arange(6.0).reshape(2, 3)}, checkpoint_id=str(good_dir), no_dist=True)
+    dcp.save({"model.w": torch.full((2, 3), 42.0)}, checkpoint_id=str(secret), no_dist=True)
+    assert torch.equal(read_dcp_state(good_dir)["model.w"], torch.arange(6.0).reshape(2, 3))
+    cases = {"classbuild": (_class_build("pathlib", "PosixPath", "pwned_by_pickle"), "refused to set the state"),
+             "outside": (_edited_metadata(good_dir, _outside), "is not a file name inside"),
+             "negative": (_edited_metadata(good_dir, _negative), "has size torch.Size([-1, 3])")}
+    for name, (data, why) in cases.items():
+        d = tmp_path / name
+        shutil.copytree(good_dir, d)
+        (d / ".metadata").write_bytes(data)
+        with pytest.raises(MergeError, match="not a torch.distributed.checkpoint metadata file") as info:
+            read_dcp_state(d)
+        assert why in str(info.value) and str(d) in str(info.value), (name, info.value)
+    assert not hasattr(pathlib.PosixPath, "pwned_by_pickle")

@@ -43,6 +43,31 @@ def test_adapter_name_that_does_not_exist(tiny):
     model.unload()
 
 
+@pytest.mark.parametrize("kw, message", [
+    ({"expert_range": (0, 1, 2)}, r"expert_range=\(0, 1, 2\) must be two ints \(e0, e1\) with 0 <= e0 < e1"),
+    ({"expert_range": ("0", 2)}, r"expert_range=\('0', 2\) must be two ints"),
+    ({"expert_range": (0.5, 2)}, r"expert_range=\(0.5, 2\) must be two ints"),
+    ({"expert_range": (0, 1 << 70)}, r"must be two ints \(e0, e1\) with 0 <= e0 < e1"),
+    ({"expert_range": (2, 2)}, r"expert_range=\(2, 2\) must be two ints"),
+    ({"timeout_s": float("nan")}, r"timeout_s=nan must be a finite number of seconds > 0"),
+    ({"timeout_s": 0}, r"timeout_s=0 must be a finite number of seconds > 0"),
+])
+def test_bad_expert_range_or_timeout(tiny, kw, message):
+    """Refused as AttachError naming the argument (before the ranks' all-gather, whose int64 row a
+    malformed range could not fill: the other ranks would wait out their timeout)."""
+    from peft import get_peft_model
+
+    from sync_service.live import AttachError
+    from tests.trainer.harness import lora_config
+
+    model = get_peft_model(tiny, lora_config())
+    try:
+        with pytest.raises(AttachError, match=message):
+            _attach(model, **kw)
+    finally:
+        model.unload()
+
+
 def test_non_lora_adapter(bases):
     from peft import IA3Config, get_peft_model
     from transformers import AutoModelForCausalLM
