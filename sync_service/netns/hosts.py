@@ -240,6 +240,7 @@ class NamespaceHosts:
         self.hosts = {h: Host(name=h, netns=f"{tag}-{h}", address=f"{self.config.subnet}.{i + 1}", switch=self.switch,
                               port=f"p{i}") for i, h in enumerate(self.config.hosts)}
         self._procs: list[subprocess.Popen] = []
+        self._created: list[str] = []  # namespaces this instance added: the only ones close() removes
 
     def __enter__(self) -> "NamespaceHosts":
         cleanup_stale(self.config.prefix, self.config.timeout_s)
@@ -256,7 +257,8 @@ class NamespaceHosts:
     def _build(self) -> None:
         c, t = self.config, self.config.timeout_s
         for ns in (self.switch, *(h.netns for h in self.hosts.values())):
-            _ip("netns", "add", ns, timeout_s=t)
+            _ip("netns", "add", ns, timeout_s=t)  # HostsError when it exists: never adopted, never removed
+            self._created.append(ns)
             _ip("link", "set", "lo", "up", ns=ns, timeout_s=t)
         _ip("link", "add", "br0", "type", "bridge", ns=self.switch, timeout_s=t)
         _ip("link", "set", "br0", "up", ns=self.switch, timeout_s=t)
@@ -313,7 +315,8 @@ class NamespaceHosts:
         return listeners(self.hosts[host], timeout_s=self.config.timeout_s)
 
     def close(self) -> None:
-        """Kill what was started here and everything left inside the namespaces, remove them. Idempotent."""
+        """Kill what was started here and everything left inside the namespaces this instance added, remove
+        them (a namespace of the same name that existed before — e.g. another live instance's — is left). Idempotent."""
         for proc in self._procs:
             if proc.poll() is None:
                 try:
@@ -326,7 +329,8 @@ class NamespaceHosts:
             except subprocess.TimeoutExpired:
                 pass
         self._procs.clear()
-        _remove_netns([*(h.netns for h in self.hosts.values()), self.switch], self.config.timeout_s)
+        created, self._created = self._created, []
+        _remove_netns(created, self.config.timeout_s)
 
 
 def set_link(host: Host, *, up: bool, peers: Sequence[Host] = (), timeout_s: float = 30.0) -> None:

@@ -97,6 +97,20 @@ def test_a_crashed_runs_namespaces_are_cleaned_by_the_next_run():
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
 
 
+def test_a_refused_second_instance_leaves_the_live_ones_namespaces():
+    """A second ``NamespaceHosts`` of the same prefix in the same process is refused (its namespaces exist);
+    its teardown removes only what it added: the live instance's namespaces and processes stay."""
+    cfg = HostsConfig(hosts=("a", "b"), prefix="wstwo")
+    with NamespaceHosts(cfg) as one:
+        proc, _ = serve(one, "b")
+        with pytest.raises(HostsError, match="File exists"):
+            with NamespaceHosts(cfg):
+                pass
+        assert {one.switch, *(h.netns for h in one.hosts.values())} <= namespaces()
+        assert proc.poll() is None, "the live instance's process was killed"
+    assert not any(ns.startswith(f"wstwo{os.getpid()}-") for ns in namespaces())
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(hosts=("trainers",)), "2-8 distinct"), (dict(hosts=("a", "a")), "2-8 distinct"),
     (dict(hosts=("a", "sw")), "not 'sw'"), (dict(uplink_rate="fast"), "'1gbit'"), (dict(uplink_rate="0gbit"), "unit"),
