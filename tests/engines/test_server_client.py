@@ -116,3 +116,21 @@ def test_a_url_that_is_not_a_vllm_server_is_named(http_server: str) -> None:
         good.get("/html")
     with pytest.raises(ServerSetupError, match=r"/server_info answered list, not an object"):
         VLLMServerEngine(VLLMServerConfig(url=http_server, api_key="right", timeout_s=10))
+
+
+@pytest.mark.parametrize("urls, engines, message", [
+    (["http://127.0.0.1:1", "http://127.0.0.1:1"], None, "--vllm-url http://127.0.0.1:1 given twice"),
+    (["http://127.0.0.1:1"], 2, "--engines 2 != 1 --vllm-url server(s)"),
+])
+def test_repeated_url_or_contradicting_engines_refused_unconnected(urls, engines, message, capsys) -> None:
+    """Refused before any server is contacted (port 1: a connection would say 'unreachable' instead)."""
+    import argparse
+
+    from sync_service.engines.vllm_server.preflight import check_servers
+
+    args = argparse.Namespace(command="sync", engine="vllm-server", vllm_urls=urls, engines=engines,
+                              vllm_api_key=None, timeout=5.0)
+    with pytest.raises(SystemExit) as info:
+        check_servers(args)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.startswith("weightsync sync: error: ") and message in err, err

@@ -14,10 +14,17 @@ __all__ = ["check_servers"]
 
 
 def check_servers(args: argparse.Namespace) -> None:
-    """Exit 2 naming the URL and the fix when a server is unreachable, lacks the backend or the dev
-    routes, or rejects the API key (``--vllm-api-key`` / ``$VLLM_API_KEY``)."""
+    """Exit 2 naming the URL and the fix when a URL is given twice (two engines on one server would
+    race), ``--engines`` contradicts the URLs' count, a server is unreachable, lacks the backend or the
+    dev routes, or rejects the API key (``--vllm-api-key`` / ``$VLLM_API_KEY``)."""
     if args.engine != "vllm-server":
         fail(args, f"--vllm-url needs --engine vllm-server (got --engine {args.engine})")
+    twice = sorted({u for u in args.vllm_urls if args.vllm_urls.count(u) > 1})
+    if twice:
+        fail(args, f"--vllm-url {twice[0]} given twice; give each server once (one engine per server)")
+    if args.engines is not None and args.engines != len(args.vllm_urls):
+        fail(args, f"--engines {args.engines} != {len(args.vllm_urls)} --vllm-url server(s); drop --engines "
+                   f"(the servers given are the engines)")
     key = args.vllm_api_key or os.environ.get("VLLM_API_KEY")
     for url in args.vllm_urls:
         try:
