@@ -134,3 +134,20 @@ def test_repeated_url_or_contradicting_engines_refused_unconnected(urls, engines
         check_servers(args)
     err = capsys.readouterr().err
     assert info.value.code == 2 and err.startswith("weightsync sync: error: ") and message in err, err
+
+
+def test_url_credentials_refused_and_never_echoed(capsys) -> None:
+    """A ``user:password@`` URL is refused before any connection, the password in no message."""
+    import argparse
+
+    from sync_service.engines.vllm_server.preflight import check_servers
+
+    with pytest.raises(ValueError, match="carries credentials") as info:
+        ServerClient("http://alice:hunter2@127.0.0.1:1")
+    assert "hunter2" not in str(info.value) and "***@127.0.0.1:1" in str(info.value)
+    args = argparse.Namespace(command="sync", engine="vllm-server", vllm_urls=["http://alice:hunter2@127.0.0.1:1"],
+                              engines=None, vllm_api_key=None, timeout=5.0)
+    with pytest.raises(SystemExit) as exit_info:
+        check_servers(args)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "carries credentials" in err and "hunter2" not in err, err

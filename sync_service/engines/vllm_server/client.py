@@ -14,9 +14,17 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
-__all__ = ["ServerClient", "ServerError", "ServerRequestError", "ServerSetupError", "ServerUnreachableError"]
+__all__ = ["ServerClient", "ServerError", "ServerRequestError", "ServerSetupError", "ServerUnreachableError", "redact"]
 
 DEV_MODE_HINT = "start the server with the environment variable VLLM_SERVER_DEV_MODE=1 (it mounts vLLM's RL routes)"
+
+
+def redact(url: str) -> str:
+    """``url`` with any ``user:password@`` part replaced by ``***@`` (for messages and logs)."""
+    parts = urllib.parse.urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return urllib.parse.urlunsplit(parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]))
 
 
 class ServerError(RuntimeError):
@@ -53,7 +61,10 @@ class ServerClient:
 
     def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 30.0) -> None:
         if not url.startswith(("http://", "https://")):
-            raise ValueError(f"vLLM server URL {url!r} must start with http:// or https://, e.g. http://127.0.0.1:8000")
+            raise ValueError(f"vLLM server URL {redact(url)!r} must start with http:// or https://, e.g. http://127.0.0.1:8000")
+        if "@" in urllib.parse.urlsplit(url).netloc:
+            raise ValueError(f"vLLM server URL {redact(url)!r} carries credentials (user:password@); drop them and give "
+                             f"the server's --api-key as api_key= (CLI: --vllm-api-key or $VLLM_API_KEY)")
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
         self._headers = {"Content-Type": "application/json"}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from sync_service.engines.vllm_server.client import ServerError
+from sync_service.engines.vllm_server.client import ServerError, redact
 from sync_service.engines.vllm_server.engine import VLLMServerConfig, VLLMServerEngine
 from sync_service.preflight import fail
 
@@ -21,7 +21,7 @@ def check_servers(args: argparse.Namespace) -> None:
         fail(args, f"--vllm-url needs --engine vllm-server (got --engine {args.engine})")
     twice = sorted({u for u in args.vllm_urls if args.vllm_urls.count(u) > 1})
     if twice:
-        fail(args, f"--vllm-url {twice[0]} given twice; give each server once (one engine per server)")
+        fail(args, f"--vllm-url {redact(twice[0])} given twice; give each server once (one engine per server)")
     if args.engines is not None and args.engines != len(args.vllm_urls):
         fail(args, f"--engines {args.engines} != {len(args.vllm_urls)} --vllm-url server(s); drop --engines "
                    f"(the servers given are the engines)")
@@ -30,4 +30,4 @@ def check_servers(args: argparse.Namespace) -> None:
         try:
             VLLMServerEngine(VLLMServerConfig(url=url, api_key=key, timeout_s=min(30.0, args.timeout)))
         except (ServerError, ValueError) as exc:
-            fail(args, f"--vllm-url {url}: {exc}")
+            fail(args, f"--vllm-url {redact(url)}: {exc}")
