@@ -132,8 +132,10 @@ class TrainerEndpoint:
             TimeoutError: the previous send did not end within ``timeout_s``. RuntimeError: no
                 channel of that owner. MergeError, PeerLostError, RemoteSyncError: from the merge or the stream.
         """
+        # the snapshot stays on a refusal before the send starts (no lock, no channel): the coordinator
+        # retries the same snapshot on a reopened channel, or drops it when it gives up (a cancel of the
+        # previous channel may reach this rank before this send does)
         if not self._send_lock.acquire(timeout=request.timeout_s):
-            self.state.drop_snapshot(request.version)
             raise TimeoutError(f"trainer rank {self.rank}: send({request.version}) waited {request.timeout_s:.0f} s "
                                f"for the previous send to end; raise SyncConfig.timeout_s or check that rank")
         try:
@@ -144,7 +146,6 @@ class TrainerEndpoint:
     def _send(self, request: SendRequest) -> SendReport:
         version = request.version
         if request.owner not in self.channels:
-            self.state.drop_snapshot(version)
             raise RuntimeError(f"trainer rank {self.rank}: send before open_transport (channel {request.owner!r})")
         sender, plan = self.channels[request.owner]
         if self.before_send is not None:

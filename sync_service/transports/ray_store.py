@@ -124,6 +124,8 @@ class RaySender:
             raise TimeoutError(f"Ray transport {self.spec.name}: a receiver did not take a frame within {timeout_s:.1f}s")
 
     def poll_reply(self, timeout_s: float) -> bytes | None:
+        if self.inbox is None:
+            raise PeerLostError(f"Ray transport {self.spec.name}: the sender's side was closed (the push was cancelled)")
         item = _get(self.inbox.get.remote(timeout_s), timeout_s + 5.0, "Ray reply mailbox")
         return None if item is None else item[0]
 

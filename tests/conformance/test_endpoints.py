@@ -70,11 +70,14 @@ def test_actor_reports_are_the_declared_types(ray_local, files):
         spec = TransportSpec(kind="shm", name="ep" + uuid.uuid4().hex[:8], num_senders=1, num_receivers=1,
                              bucket_bytes=plan.bucket_bytes, connect_timeout_s=60, op_timeout_s=60)
         owner = "conformance"
-        opened = [a.open_transport.remote(OpenChannel(owner=owner, spec=spec.to_bytes(), plan=encode(plan), index=0))
-                  for a in (trainer, engine)]
-        assert ray.get(opened, timeout=120) == [None, None]
         snap = ray.get(trainer.snapshot.remote(1), timeout=60)
         assert type(snap) is SnapshotReport and snap.version == 1
+        with pytest.raises(Exception, match="send before open_transport"):  # a cancel that overtook the send
+            ray.get(trainer.send.remote(SendRequest(owner=owner, session="s0", version=1, names=None, timeout_s=5.0)),
+                    timeout=60)
+        opened = [a.open_transport.remote(OpenChannel(owner=owner, spec=spec.to_bytes(), plan=encode(plan), index=0))
+                  for a in (trainer, engine)]
+        assert ray.get(opened, timeout=120) == [None, None]  # the refused send left the snapshot for the retry
         received = engine.receive.remote(owner, 60.0)
         sent = ray.get(trainer.send.remote(SendRequest(owner=owner, session="s1", version=1, names=None,
                                                        timeout_s=60.0)), timeout=120)
