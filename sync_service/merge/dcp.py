@@ -13,14 +13,12 @@ missing or unexpected key is an error), then the adapter is written by ``PeftMod
 the base by ``unload()`` + ``save_pretrained`` — the on-disk layout is the family's own, so the merge and
 its PEFT oracle see exactly what a trainer saving HF files would have written. Memory: the whole state once.
 
-``.metadata`` is a pickle; it is read by an unpickler that only builds DCP's metadata records, ``torch.Size``
-and dtypes (anything else is refused), sets state only on fresh records (never on a class, an enum member
-or a dtype), and whose data files must be plain names inside the directory — never by ``pickle.load``.
+``.metadata`` is a pickle; nothing unpickles it: ``dcp_metadata`` walks its opcodes and builds only DCP's
+metadata records from a table of allowed GLOBALs, and its data files must be plain names inside the directory.
 """
 
 from __future__ import annotations
 
-import pickle
 import shutil
 from pathlib import Path
 
@@ -31,16 +29,6 @@ from sync_service.merge.errors import MergeError
 __all__ = ["hf_dirs", "is_dcp_dir", "read_dcp_state", "resolve_inputs"]
 
 METADATA = ".metadata"
-_ALLOWED = {  # module → names the ``.metadata`` pickle of torch 2.13's FileSystemWriter refers to
-    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
-                                              "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
-                                              "StorageMeta", "_MEM_FORMAT_ENCODING"},
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
-    "torch": {"Size"},
-    "pathlib": {"PosixPath", "PurePosixPath"},
-    "collections": {"OrderedDict"},
-}
 
 
 def is_dcp_dir(path: str | Path) -> bool:
@@ -48,66 +36,19 @@ def is_dcp_dir(path: str | Path) -> bool:
     return (Path(path) / METADATA).is_file()
 
 
-# records a BUILD may fill: each is a fresh instance NEWOBJ made (never a class, enum member or dtype)
-_BUILDABLE = frozenset(f"torch.distributed.checkpoint.{n}" for n in (
-    "metadata.Metadata", "metadata.TensorStorageMetadata", "metadata.BytesStorageMetadata",
-    "metadata.ChunkStorageMetadata", "metadata.TensorProperties", "metadata.MetadataIndex", "metadata.StorageMeta",
-    "filesystem._StorageInfo"))
-
-
-class _MetadataUnpickler(pickle._Unpickler):  # the pure-Python unpickler: its BUILD can be checked
-    dispatch = dict(pickle._Unpickler.dispatch)
-
-    def find_class(self, module: str, name: str):
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if name in _ALLOWED.get(module, ()):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"refused global {module}.{name}")
-
-    def load_build(self) -> None:
-        target = type(self.stack[-2]) if len(self.stack) > 1 else type(None)
-        if f"{target.__module__}.{target.__qualname__}" not in _BUILDABLE:
-            raise pickle.UnpicklingError(f"refused to set the state of a {target.__qualname__}")
-        pickle._Unpickler.load_build(self)
-
-    dispatch[pickle.BUILD[0]] = load_build
-
-
-def _check_metadata(path: Path, metadata) -> None:
-    """Raises ValueError unless ``metadata`` is DCP ``Metadata`` whose tensor entries have sizes of
-    non-negative ints and torch dtypes, and whose data files are plain names inside ``path``."""
-    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-
-    if not isinstance(metadata, Metadata):
-        raise ValueError(f"holds a {type(metadata).__name__}, not DCP Metadata")
-    if not isinstance(metadata.state_dict_metadata, dict) or not isinstance(metadata.storage_data, dict):
-        raise ValueError("its state_dict_metadata / storage_data are not dicts")
-    for key, m in metadata.state_dict_metadata.items():
-        if isinstance(m, TensorStorageMetadata) and not (
-                isinstance(m.size, torch.Size) and all(isinstance(n, int) and n >= 0 for n in m.size)
-                and isinstance(getattr(m.properties, "dtype", None), torch.dtype)):
-            raise ValueError(f"entry {key!r} has size {m.size!r}, dtype {getattr(m.properties, 'dtype', None)!r}")
-    for info in metadata.storage_data.values():
-        name = getattr(info, "relative_path", None)
-        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
-            raise ValueError(f"data file {name!r} is not a file name inside {path}")
-
-
 def _reader(path: Path):
     from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    from sync_service.merge.dcp_metadata import check_layout, parse_metadata  # imports DCP: only when read
 
     class SafeMetadataReader(FileSystemReader):
-        """``FileSystemReader`` whose ``.metadata`` is read by the allow-list unpickler."""
+        """``FileSystemReader`` whose ``.metadata`` is built from its opcodes (``dcp_metadata``), not unpickled."""
 
         def read_metadata(self, *args, **kwargs):
-            with (Path(self.path) / METADATA).open("rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-            _check_metadata(Path(self.path), metadata)
-            if getattr(metadata, "storage_meta", None) is None:
-                from torch.distributed.checkpoint.metadata import StorageMeta
-
-                metadata.storage_meta = StorageMeta()
+            metadata = parse_metadata((Path(self.path) / METADATA).read_bytes())
+            check_layout(Path(self.path), metadata)
+            metadata.storage_meta = metadata.storage_meta or StorageMeta()
             metadata.storage_meta.load_id = self.load_id
             return metadata
 
@@ -129,7 +70,7 @@ def read_dcp_state(path: str | Path) -> dict[str, torch.Tensor]:
     reader = _reader(path)
     try:
         metadata = reader.read_metadata()
-    except Exception as exc:  # noqa: BLE001 - any error of a hostile or damaged pickle means: not DCP metadata
+    except (ValueError, OSError) as exc:  # MetadataError (a ValueError) names what is not DCP metadata
         raise MergeError(f"{path / METADATA}: not a torch.distributed.checkpoint metadata file ({exc}); "
                          f"save the checkpoint with torch.distributed.checkpoint.save") from None
     entries = metadata.state_dict_metadata
