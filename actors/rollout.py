@@ -94,11 +94,15 @@ class RolloutEngineCore:
         """The engine itself, or for a factor plan the ``FactorEngine`` over it (kept across channel
         reopens of the same plan, so its resident pristine copies survive membership changes)."""
         if not any(e.recipe is not None for e in plan.entries):
+            if self._factor_engine is not None:
+                self._factor_engine.close()
             self._factor_engine = None
             return self.engine
         from sync_service.factor_stream.receiver import FactorEngine
 
         if self._factor_engine is None or self._factor_engine.plan != plan:
+            if self._factor_engine is not None:
+                self._factor_engine.close()
             self._factor_engine = FactorEngine(self.engine, plan)
         return self._factor_engine
 
@@ -121,11 +125,11 @@ class RolloutEngineCore:
         """Receive one whole sync over ``owner``'s channel: staged, verified, acked, not committed."""
         if owner not in self._channels:
             raise RuntimeError(f"{self.name}: receive before open_transport (channel {owner!r})")
-        transport, receiver, _ = self._channels[owner]
+        transport, receiver, factors = self._channels[owner]
         s = receiver.receive_sync(transport, timeout_s=timeout_s, commit=False)
         return ReceiveReport(engine=self.name, version=s.version, buckets=s.buckets, entries=s.entries,
                              payload_bytes=s.payload_bytes, wait_s=s.wait_s, verify_s=s.verify_s, apply_s=s.apply_s,
-                             finish_s=s.finish_s, total_s=s.total_s)
+                             finish_s=s.finish_s, total_s=s.total_s, rx_merge_s=factors.merge_s if factors else 0.0)
 
     def commit(self, owner: str, version: int) -> None:
         """Serve the version staged by ``owner``'s last receive, atomically; caches are reset."""

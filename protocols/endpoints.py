@@ -148,7 +148,9 @@ class ReceiveReport:
     Attributes:
         engine: its name. version: the received version. buckets / entries / payload_bytes: what
         arrived. wait_s: blocked on the transport. verify_s: checksums and header checks. apply_s:
-        copies into staging. finish_s: post-load processing. total_s: the whole receive (seconds).
+        copies into staging. finish_s: post-load processing (in factor modes also the wait for the
+        receiver's last merges). total_s: the whole receive. rx_merge_s: wall seconds during which the
+        receiver merged factor-mode targets (overlapping the stream; 0 in merged mode). All seconds.
     """
 
     engine: str
@@ -161,6 +163,7 @@ class ReceiveReport:
     apply_s: float
     finish_s: float
     total_s: float
+    rx_merge_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

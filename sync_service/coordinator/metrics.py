@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from protocols.endpoints import SendReport
 
 
-STAGES = ("gather_s", "merge_s", "pack_s", "transfer_s", "apply_s", "commit_s")
+STAGES = ("gather_s", "merge_s", "pack_s", "transfer_s", "apply_s", "rx_merge_s", "commit_s")
 """``SyncMetrics``' stage-second fields in pipeline order: every breakdown (CLI rows, JSON, benchmarks) uses these."""
 
 @dataclass(frozen=True, slots=True)
@@ -18,7 +18,7 @@ class EngineResult:
         engine: the engine's name. committed: it serves the pushed version now.
         error: why the sync failed on it (its own error, or ``"sync aborted"`` when another member
             failed); ``None`` when committed. apply_s: seconds in ``EngineAdapter.apply``.
-        payload_bytes: bytes it received.
+        payload_bytes: bytes it received. rx_merge_s: wall seconds it merged factor-mode targets.
     """
 
     engine: str
@@ -26,6 +26,7 @@ class EngineResult:
     error: str | None
     apply_s: float
     payload_bytes: int
+    rx_merge_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +37,9 @@ class SyncMetrics:
     ``gather_s`` preparing the factors before the first bucket (the adapter refresh; in factor modes
     the trainer group's all-gather), ``merge_s`` merge into bucket views (``WeightSource.fill``),
     ``pack_s`` checksums + headers, ``transfer_s`` inside ``Transport.send`` (overlaps packing),
-    ``apply_s`` the slowest engine's apply copies, ``commit_s`` the commit round.
+    ``apply_s`` the slowest engine's apply copies, ``rx_merge_s`` the slowest engine's merge of
+    factor-mode targets (wall seconds with a merge running, overlapping the stream; 0 in merged
+    mode), ``commit_s`` the commit round.
     ``seconds`` is the wall time of the transfer (after the snapshot), ``bytes`` the payload bytes
     sent by all trainers (each frame reaches every engine), ``gb_per_s`` = bytes / seconds / 1e9.
     ``mode`` is ``SyncConfig.mode``; ``factor_tensors`` the tensors streamed as LoRA factors and
@@ -57,6 +60,7 @@ class SyncMetrics:
     engines: tuple[EngineResult, ...] = field(default_factory=tuple)
     mode: str = "merged"
     factor_tensors: tuple[str, ...] = ()
+    rx_merge_s: float = 0.0
 
     def stage_seconds(self) -> dict[str, float]:
         """``STAGES`` → seconds of this push."""
@@ -76,7 +80,8 @@ class SyncMetrics:
         return cls(version=version, full=full, bytes=sum(s.payload_bytes for s in sent),
                    buckets=sum(s.buckets for s in sent), seconds=seconds, gather_s=slowest("gather_s"),
                    merge_s=slowest("merge_s"), pack_s=slowest("pack_s"), transfer_s=slowest("transfer_s"),
-                   apply_s=max((e.apply_s for e in engines), default=0.0), commit_s=commit_s, engines=tuple(engines))
+                   apply_s=max((e.apply_s for e in engines), default=0.0), commit_s=commit_s, engines=tuple(engines),
+                   rx_merge_s=max((e.rx_merge_s for e in engines), default=0.0))
 
 
 class SyncError(RuntimeError):

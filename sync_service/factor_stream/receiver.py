@@ -3,10 +3,14 @@
 ``FactorEngine`` wraps any ``EngineAdapter`` and is itself one, so ``BucketReceiver`` drives it
 unchanged. It keeps a resident *pristine* copy W0 of every factor-mode target (received in full
 syncs) and the factors of every term (received as recipe blocks; a delta brings only changed
-blocks). At ``finish_update`` it merges each target whose factors changed with the merge core's own
-code — ``MergedSource.fill`` over a ``TensorDictBase`` of the pristine copies and a ``LoraAdapter``
-of the rebuilt terms — over the same boxes a merged-mode plan has, and applies the result to the
-wrapped engine: the engine holds bitwise what a merged-mode sync of the version would have written.
+blocks). It merges each target the sync changes — and only those: a delta names the changed blocks,
+so a target none of whose factors changed is neither re-merged nor restaged, the engine keeps
+serving it — with the merge core's own code (``MergedSource.fill`` over a ``TensorDictBase`` of the
+pristine copies and a ``LoraAdapter`` of the rebuilt terms) over the same boxes a merged-mode plan
+has, and applies the result to the wrapped engine's staging: the engine holds bitwise what a
+merged-mode sync of the version would have written. A target is merged on a worker thread
+(``rx_merge.MergePool``) as soon as its last piece of the sync (base box or factor block) has been
+applied, overlapped with the rest of the stream; ``finish_update`` waits for the tail.
 
 State is copy-on-write: a sync writes staged pristine tensors and term buffers; ``commit`` promotes
 them, ``abort`` drops them. A target without a complete pristine copy or complete terms is never
@@ -15,6 +19,8 @@ merged: ``FactorStateError`` fails the sync (the coordinator then runs a full sy
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,6 +33,7 @@ from protocols.wire import SyncPlan
 from sync_service.dtypes import TORCH_DTYPES
 from sync_service.factor_stream.plan import merged_boxes
 from sync_service.factor_stream.recipes import TermBuffers, terms_by_target
+from sync_service.factor_stream.rx_merge import MergePool
 from sync_service.merge.base import TensorDictBase
 from sync_service.merge.source import MergeConfig, MergedSource
 from sync_service.merge.terms import LoraAdapter
@@ -49,6 +56,12 @@ class FactorReceiverConfig:
     staging_bytes: int = 64 << 20
     """fp32 merge scratch budget, bytes: must equal the trainers' ``MergeConfig.staging_bytes`` (a
     different chunking may round differently)."""
+    merge_threads: int = 0
+    """Worker threads merging targets while the stream goes on (each one target at a time, on the
+    torch intra-op threads the process has); ``0``: the CPUs this process may run on, at most 4.
+    Each holds one output buffer of the largest box (<= a bucket)."""
+    merge_timeout_s: float = 600.0
+    """Longest wait at ``finish_update`` / ``abort`` for the merges still running, seconds."""
 
 
 class FactorEngine:
@@ -67,9 +80,14 @@ class FactorEngine:
         self._table = {m.name: m for m in engine.param_metas()}
         self._pristine: dict[str, torch.Tensor] = {}
         self._terms: dict[str, dict[int, TermBuffers]] = {}
+        threads = self.config.merge_threads or min(4, len(os.sched_getaffinity(0)))
+        self._pool = MergePool(threads=threads, timeout_s=self.config.merge_timeout_s)
+        self._apply_lock = threading.Lock()  # the wrapped engine's apply: one thread at a time
         self._reset_staged()
         self.merge_s = 0.0
-        """Seconds spent merging in the last ``finish_update``."""
+        """Wall seconds of the last sync during which the receiver merged (workers, overlapping the stream)."""
+        self.merged_targets = 0
+        """Factor-mode targets merged by the last sync."""
 
     # -- EngineAdapter delegation ----------------------------------------------------------
     def param_metas(self) -> Sequence[ParamMeta]:
@@ -96,32 +114,39 @@ class FactorEngine:
         self._st_covered: dict[str, int] = {}
         self._st_terms: dict[str, dict[int, TermBuffers]] = {}
         self._remerge: dict[str, None] = {}  # targets to re-merge this sync (an ordered set)
+        self._waiting: dict[str, set[str]] = {}  # target → pieces of this sync not yet applied
+        self._unmergeable: dict[str, str] = {}  # target → why it cannot be merged
 
     # -- update lifecycle ------------------------------------------------------------------
     def begin_update(self, version: int, names: Sequence[str]) -> None:
         """Split ``names`` into recipes, pristine bases and plain tensors; begin the engine's update
         with the plain tensors and every target it will re-merge."""
+        self._pool.cancel()
+        self._pool.reset()
         self._reset_staged()
         engine_names: list[str] = []
         for name in names:
             recipe = self._recipes.get(name)
-            if recipe is not None:
-                self._remerge[recipe.target] = None
-                engine_names.append(recipe.target)
-            elif name in self._blocks:
-                self._remerge[name] = None
-                engine_names.append(name)
-            else:
-                engine_names.append(name)
+            target = recipe.target if recipe is not None else name if name in self._blocks else None
+            if target is not None:  # a recipe block, or the pristine base (the target's own name)
+                self._remerge[target] = None
+                self._waiting.setdefault(target, set()).add(name)
+            engine_names.append(target or name)
         self.inner.begin_update(version, list(dict.fromkeys(engine_names)))
 
     def apply(self, name: str, box: Box, data: torch.Tensor) -> None:
+        """Stage a recipe block or pristine box (merging the target once its last piece arrived), or
+        apply a plain tensor. Raises a failed merge's error, or what the engine's ``apply`` raises."""
+        error = self._pool.failure()
+        if error is not None:
+            raise error
         recipe = self._recipes.get(name)
         if recipe is not None:
             terms = self._staged_terms(recipe.target)
             if recipe.term not in terms:
                 terms[recipe.term] = TermBuffers.empty(recipe, self._dtypes[name], self.device)
             terms[recipe.term].put(recipe, data)
+            self._arrived(recipe.target, name)
         elif name in self._blocks:
             meta = self._table[name]
             staged = self._st_pristine.get(name)
@@ -130,27 +155,27 @@ class FactorEngine:
                 self._st_covered[name] = 0
             staged[tuple(slice(a, b) for a, b in box)].copy_(data)
             self._st_covered[name] += box_numel(box)
+            if self._st_covered[name] == box_numel(full_box(meta.shape)):
+                self._arrived(name, name)
         else:
-            self.inner.apply(name, box, data)
+            with self._apply_lock:
+                self.inner.apply(name, box, data)
 
     def finish_update(self) -> FinishReport:
-        """Merge every target whose pristine copy or factors changed, then finish the engine's update.
+        """Wait for the merges of this sync's targets, then finish the engine's update.
 
         Raises:
-            FactorStateError: a target lacks its pristine copy or a term block (nothing merged).
+            FactorStateError: a target lacks its pristine copy or a term block (its merge never ran).
+            TimeoutError: merges still running after ``merge_timeout_s``; or a merge's own error.
         """
-        import time
-
-        t0 = time.perf_counter()
-        pristine = {**self._pristine, **self._st_pristine}
-        terms = {**self._terms, **self._st_terms}
         for target in self._remerge:
-            why = self._complete(target, pristine, terms)
+            why = self._unmergeable.get(target) or ("its factor blocks or base arrived incomplete"
+                                                    if self._waiting.get(target) else None)
             if why:
+                self._pool.cancel()
                 raise FactorStateError(f"cannot merge {target}: {why}; this receiver needs a full sync first")
-        for target in self._remerge:  # whole targets: an engine stages and serves whole tensors
-            self._merge(target, pristine[target], terms[target])
-        self.merge_s = time.perf_counter() - t0
+        self._pool.wait()
+        self.merge_s, self.merged_targets = self._pool.busy_s(), self._pool.submitted
         return self.inner.finish_update()
 
     def commit(self, version: int) -> None:
@@ -160,8 +185,15 @@ class FactorEngine:
         self._reset_staged()
 
     def abort(self) -> None:
+        """Stop the merges (none applies afterwards), drop everything staged, abort the engine's update."""
+        self._pool.cancel()
         self._reset_staged()
         self.inner.abort()
+
+    def close(self) -> None:
+        """Stop the merge workers (after ``abort`` or ``commit``)."""
+        self._pool.cancel()
+        self._pool.close()
 
     # -- internals -------------------------------------------------------------------------
     def _staged_terms(self, target: str) -> dict[int, TermBuffers]:
@@ -182,18 +214,34 @@ class FactorEngine:
                 return f"LoRA term {index} is missing expert blocks"
         return None
 
+    def _arrived(self, target: str, piece: str) -> None:
+        """``piece`` of ``target`` is staged; once none is missing, queue the target's merge."""
+        waiting = self._waiting[target]
+        waiting.discard(piece)
+        if waiting:
+            return
+        pristine = {**self._pristine, **self._st_pristine}
+        terms = {**self._terms, **self._st_terms}
+        why = self._complete(target, pristine, terms)
+        if why:
+            self._unmergeable[target] = why
+        else:
+            self._pool.submit(self._merge, target, pristine[target], terms[target])
+
     def _merge(self, target: str, w0: torch.Tensor, bufs: dict[int, TermBuffers]) -> None:
-        """Merge every box of ``target`` into the engine's staging. A delta carries only the changed expert
-        blocks' factors, but an engine's update covers whole tensors (``engines.staging``: never pre-filled
-        from served values), so the unchanged blocks are re-merged from the resident W0 and terms (bitwise
-        what they were)."""
+        """Merge every box of ``target`` into the engine's staging (on a merge worker). A delta carries
+        only the changed expert blocks' factors, but an engine's update covers whole tensors
+        (``engines.staging``: never pre-filled from served values), so the unchanged blocks are
+        re-merged from the resident W0 and terms (bitwise what they were)."""
         meta = self._table[target]
         adapter = LoraAdapter(terms={target: [bufs[i].term() for i in sorted(bufs)]})
         source = MergedSource(TensorDictBase({target: w0}), adapter, config=MergeConfig(staging_bytes=self.config.staging_bytes),
                               owned=[ParamMeta(target, meta.dtype, meta.shape)])
         dtype = TORCH_DTYPES[meta.dtype]
         for box in self._boxes[target]:
-            out = torch.empty(box_shape(box), dtype=dtype, device=self.device)
+            if self._pool.cancelled.is_set():
+                return
+            out = self._pool.out_buffer(box_shape(box), dtype, self.device)
             source.fill(target, box, out)
-            self.inner.apply(target, box, out)
-
+            with self._apply_lock:
+                self.inner.apply(target, box, out)

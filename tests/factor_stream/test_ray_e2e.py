@@ -36,6 +36,7 @@ def test_factor_mode_three_versions_bitwise_then_late_joiner_gets_full_sync(ray_
                 replay.step(v)
             metrics = sync.push(v)
             assert metrics.full == (v == 0) and metrics.mode == "factors" and metrics.factor_tensors
+            assert metrics.rx_merge_s > 0 and metrics.stage_seconds()["rx_merge_s"] == metrics.rx_merge_s
             assert_engines_equal(engines, reference_state(base, replay.peft_config, replay.state), what=f"version {v}")
             if v == 0:
                 full_bytes = metrics.bytes
