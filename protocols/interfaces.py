@@ -125,6 +125,24 @@ class EngineAdapter(Protocol):
         ...
 
 
+@runtime_checkable
+class ChunkedApply(Protocol):
+    """An ``EngineAdapter`` whose ``apply`` is a local copy into staging, cheap per call (no RPC).
+
+    For such an engine the receiver checks a bucket's xxh3_64 while it applies it: each entry is handed
+    to ``apply`` in row-major pieces of at most ``apply_chunk_bytes``, and each piece's bytes are hashed
+    right after their copy, while they are in cache (one pass over the bucket instead of two). ``apply``
+    therefore sees bytes whose checksum is not yet confirmed; a mismatch raises before
+    ``finish_update`` and the sync is aborted (``abort`` drops everything staged), so nothing
+    unverified is ever served. Engines without this member get every bucket verified before any apply.
+    """
+
+    @property
+    def apply_chunk_bytes(self) -> int:
+        """Largest piece per ``apply`` call while verifying, bytes (cache-sized; > 0)."""
+        ...
+
+
 class TransportError(RuntimeError):
     """A transport cannot deliver: the peer is gone, the channel is closed or broken."""
 

@@ -32,7 +32,7 @@ import torch
 from protocols.interfaces import FinishReport
 from protocols.params import Box, ParamMeta
 from sync_service.dtypes import wire_dtype
-from sync_service.engines.staging import Staging, privatize_mapped
+from sync_service.engines.staging import APPLY_CHUNK_BYTES, Staging, privatize_mapped
 
 __all__ = ["GenerateResult", "HFEngine", "HFEngineConfig", "SampleResult", "load_causal_lm"]
 
@@ -103,6 +103,10 @@ class HFEngine:
     ``begin_update`` / ``apply`` / ``finish_update`` / ``abort`` / ``commit`` of one sync are
     called from one thread at a time.
     """
+
+    apply_chunk_bytes = APPLY_CHUNK_BYTES
+    """``protocols.interfaces.ChunkedApply``: ``apply`` copies into staging, so the receiver hashes
+    each bucket piece by piece while copying it (one pass over the bucket)."""
 
     def __init__(self, model: torch.nn.Module, *, config: HFEngineConfig | None = None) -> None:
         self._model = model.train(False)  # inference mode (dropout off)

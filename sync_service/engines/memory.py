@@ -18,7 +18,7 @@ import torch
 from protocols.interfaces import FinishReport
 from protocols.params import Box, ParamMeta
 from sync_service.dtypes import wire_dtype
-from sync_service.engines.staging import Staging
+from sync_service.engines.staging import APPLY_CHUNK_BYTES, Staging
 
 
 class MemoryEngine:
@@ -27,6 +27,9 @@ class MemoryEngine:
     Raises:
         ValueError: a tensor's dtype has no wire name.
     """
+
+    apply_chunk_bytes = APPLY_CHUNK_BYTES
+    """``protocols.interfaces.ChunkedApply``: checksums are checked while copying into staging."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor]):
         self._metas = [ParamMeta(n, wire_dtype(t.dtype), tuple(t.shape)) for n, t in tensors.items()]

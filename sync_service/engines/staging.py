@@ -20,7 +20,13 @@ import torch
 
 from protocols.params import Box, box_numel, box_shape
 
-__all__ = ["Staging", "check_box", "privatize_mapped"]
+__all__ = ["APPLY_CHUNK_BYTES", "Staging", "check_box", "privatize_mapped"]
+
+APPLY_CHUNK_BYTES = 1 << 20
+"""``ChunkedApply.apply_chunk_bytes`` of the engines that copy into ``Staging``: a piece and its
+staging destination stay in this CPU's 1 MiB L2 / 32 MiB L3 while the receiver hashes it. Measured
+(one thread, 64 MiB buckets from memory, quiet): hash then copy 2.4 GB/s; fused 1.7 (64 KiB pieces:
+per-call overhead), 3.1 (256 KiB), 3.5 (1 MiB)."""
 
 
 def privatize_mapped(tensors: Iterable[torch.Tensor], maps_path: str = "/proc/self/maps") -> int:

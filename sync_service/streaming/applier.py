@@ -5,6 +5,11 @@ a verified bucket (entries + payload) is applied, a control frame only released.
 released to the transport strictly in arrival order (the transport frees the oldest held frame),
 each after its last copy, so no view outlives its buffer. At most ``transport.max_held`` frames
 are held at once (``slots`` acquired before each ``recv``).
+
+For an engine that declares ``ChunkedApply`` the bucket's xxh3_64 is checked here, fused with the copy:
+``apply_hashed`` hands each entry to ``apply`` in cache-sized pieces and hashes each piece's bytes
+right after its copy (they are still in cache), so the payload is read from memory once, not twice;
+a mismatch fails the stage (``ProtocolError`` on ``header.checksum``) before ``finish_update``.
 """
 
 from __future__ import annotations
@@ -14,8 +19,35 @@ import threading
 import time
 
 from protocols.interfaces import EngineAdapter, TransportReceiver
-from protocols.wire import PlanEntry
-from sync_service.streaming.views import as_byte_tensor, entry_view
+from protocols.wire import BucketHeader, PlanEntry, ProtocolError
+from sync_service.dtypes import TORCH_DTYPES
+from sync_service.merge.staging import chunks
+from sync_service.streaming.checksum import RunningChecksum
+from sync_service.streaming.views import as_byte_array, as_byte_tensor, entry_view
+
+
+def apply_hashed(adapter: EngineAdapter, payload, entries: tuple[PlanEntry, ...], chunk_bytes: int,
+                 running: RunningChecksum) -> int:
+    """Apply ``entries`` from ``payload`` in row-major pieces of at most ``chunk_bytes`` and return the
+    xxh3_64 of the whole payload (equal to ``checksum(payload)``), each piece hashed right after its copy.
+
+    ``entries`` lie in ``payload`` in offset order, disjoint (the plan's layout); the bytes between and
+    after them (alignment padding) are hashed too. Blocks; raises what ``adapter.apply`` raises.
+    """
+    arr, buf = as_byte_array(payload), as_byte_tensor(payload)
+    running.reset()
+    hashed = 0
+    for entry in sorted(entries, key=lambda e: e.offset):
+        view = entry_view(buf, entry)
+        itemsize = TORCH_DTYPES[entry.dtype].itemsize
+        for sub in chunks(entry.box, chunk_bytes, itemsize):
+            piece = view[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(sub, entry.box))]
+            adapter.apply(entry.name, sub, piece)
+            end = entry.offset + (piece.data_ptr() - view.data_ptr()) + piece.nbytes
+            running.update(arr[hashed:end])
+            hashed = end
+    running.update(arr[hashed:])
+    return running.intdigest()
 
 
 class ApplyStage:
@@ -50,11 +82,13 @@ class ApplyStage:
                 raise TimeoutError(f"apply stage did not release a buffer within {timeout_s:.1f}s")
         self.raise_failure()
 
-    def put(self, entries: tuple[PlanEntry, ...] | None, payload, seq: int, nbytes: int) -> None:
-        """Queue the frame just received: apply ``entries`` from ``payload`` (None: release only)."""
+    def put(self, header: BucketHeader | None, payload, *, chunk_bytes: int = 0) -> None:
+        """Queue the frame just received: apply the bucket ``header`` describes from ``payload``
+        (None: release only). ``chunk_bytes`` > 0: the payload's checksum is still unchecked; apply
+        in pieces of that size and check it on the way (``apply_hashed``)."""
         with self._idle:
             self._pending += 1
-        self._q.put((entries, payload, seq, nbytes))
+        self._q.put((header, payload, chunk_bytes))
 
     def wait_idle(self, timeout_s: float) -> None:
         """Block until every queued frame is applied and released. Raises the stage's failure or TimeoutError."""
@@ -79,19 +113,18 @@ class ApplyStage:
             raise self.failure
 
     def _run(self) -> None:
+        running = RunningChecksum()
         while (item := self._q.get()) is not None:
-            entries, payload, seq, nbytes = item
+            header, payload, chunk_bytes = item
             try:
-                if entries and self.failure is None and not self._dropping:
+                if header is not None and header.entries and self.failure is None and not self._dropping:
                     t = time.perf_counter()
-                    buf = as_byte_tensor(payload)
-                    for e in entries:
-                        self.adapter.apply(e.name, e.box, entry_view(buf, e))
-                    del buf
+                    self._apply(header, payload, chunk_bytes, running)
                     t1 = time.perf_counter()
                     self.apply_s += t1 - t
-                    self.buckets, self.entries, self.payload_bytes = self.buckets + 1, self.entries + len(entries), self.payload_bytes + nbytes
-                    self.timeline.append(("apply", seq, t, t1))
+                    self.buckets, self.entries = self.buckets + 1, self.entries + len(header.entries)
+                    self.payload_bytes += header.payload_nbytes
+                    self.timeline.append(("apply", header.seq, t, t1))
             except BaseException as exc:
                 self.failure = exc
             finally:
@@ -101,3 +134,13 @@ class ApplyStage:
                 with self._idle:
                     self._pending -= 1
                     self._idle.notify_all()
+
+    def _apply(self, header: BucketHeader, payload, chunk_bytes: int, running: RunningChecksum) -> None:
+        if chunk_bytes <= 0:  # verified by the receiver before it was queued
+            buf = as_byte_tensor(payload)
+            for e in header.entries:
+                self.adapter.apply(e.name, e.box, entry_view(buf, e))
+            return
+        if apply_hashed(self.adapter, payload, header.entries, chunk_bytes, running) != header.checksum:
+            raise ProtocolError("header.checksum", f"xxh3_64 mismatch on bucket {header.seq} of sender "
+                                                   f"{header.sender}: payload corrupted")

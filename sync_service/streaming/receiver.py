@@ -6,7 +6,10 @@
 
 ``receive_sync(..., commit=True)`` commits right after the ack instead (single-engine setups).
 Each bucket is checked (mac, session, version, sender, sequence number, entries == the planned
-entries of that bucket, payload size, xxh3_64 checksum) before any entry of it is applied; entries
+entries of that bucket, payload size, xxh3_64 checksum) before any entry of it is applied — except
+for an engine that declares ``ChunkedApply``: there the checksum is checked on the apply thread, fused
+with the copy into staging (``applier.apply_hashed``), and a mismatch aborts the sync before
+``finish_update``, so nothing unverified is served. Entries
 are dtype views into the transport's buffer, copied once by ``EngineAdapter.apply``; the buffer is
 released to the transport only after the last copy, and no view outlives it. Applying runs on its
 own thread (``ApplyStage``): while bucket k is applied, bucket k+1 is received and verified here,
@@ -22,7 +25,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from protocols.interfaces import EngineAdapter, PeerLostError, TransportReceiver
+from protocols.interfaces import ChunkedApply, EngineAdapter, PeerLostError, TransportReceiver
 from protocols.wire import (
     Abort, Ack, Begin, BucketHeader, Commit, Error, PlanEntry, ProtocolError, SyncPlan, encode, plan_digest, verify_mac,
 )
@@ -53,7 +56,7 @@ class ApplyStats:
     entries: int
     payload_bytes: int
     wait_s: float     # blocked in Transport.recv
-    verify_s: float   # checksums + header checks
+    verify_s: float   # header checks + checksums (checksums: in apply_s for a ChunkedApply engine)
     apply_s: float    # EngineAdapter.apply copies (apply thread; overlaps wait and verify)
     finish_s: float   # EngineAdapter.finish_update
     total_s: float
@@ -89,7 +92,7 @@ class _SyncState:
             raise ProtocolError("begin.num_buckets", f"{b.num_buckets} != planned {len(self.expected[b.sender])}")
         self.begun.add(b.sender)
 
-    def check_bucket(self, h: BucketHeader, payload) -> tuple[PlanEntry, ...]:
+    def check_bucket(self, h: BucketHeader, payload, *, hash_payload: bool = True) -> tuple[PlanEntry, ...]:
         if (h.session, h.version) != (self.session, self.version):
             raise ProtocolError("header.session", f"bucket of {h.session}/v{h.version} in sync {self.session}/v{self.version}")
         if h.sender not in self.begun or h.sender in self.done:
@@ -103,7 +106,7 @@ class _SyncState:
         size = 0 if payload is None else len(payload)
         if size != h.payload_nbytes:
             raise ProtocolError("header.payload_nbytes", f"payload has {size} bytes, header says {h.payload_nbytes} (truncated?)")
-        if checksum(payload) != h.checksum:
+        if hash_payload and checksum(payload) != h.checksum:
             raise ProtocolError("header.checksum", f"xxh3_64 mismatch on bucket {h.seq} of sender {h.sender}: payload corrupted")
         self.next_seq[h.sender] = want + 1
         return h.entries
@@ -132,6 +135,8 @@ class BucketReceiver:
 
     def __init__(self, adapter: EngineAdapter, plan: SyncPlan, *, receiver: int = 0, secret: bytes | None = None):
         self.adapter, self.plan, self.receiver, self.secret = adapter, plan, receiver, secret
+        # > 0: checksums are checked while applying, in pieces of this many bytes (ChunkedApply)
+        self._chunk_bytes = adapter.apply_chunk_bytes if isinstance(adapter, ChunkedApply) else 0
         self._starting: _SyncState | None = None
 
     def receive_sync(self, transport: TransportReceiver, *, timeout_s: float = 60.0, commit: bool = False) -> ApplyStats:
@@ -157,10 +162,7 @@ class BucketReceiver:
                 try:
                     st, bucket = self._on_frame(st, header, payload, stats)
                 finally:  # every received frame goes through the stage: released in arrival order
-                    if bucket is None:
-                        stage.put(None, None, -1, 0)
-                    else:
-                        stage.put(bucket.entries, payload, bucket.seq, bucket.payload_nbytes)
+                    stage.put(bucket, None if bucket is None else payload, chunk_bytes=self._chunk_bytes)
                     payload = None
             stage.wait_idle(_left(end, timeout_s))
             stats.apply_s, stats.buckets, stats.entries, stats.payload_bytes = (
@@ -208,7 +210,7 @@ class BucketReceiver:
         if not isinstance(msg, BucketHeader):
             raise ProtocolError("message", f"unexpected {type(msg).__name__} on the data channel")
         verify_mac(msg, self.secret)
-        st.check_bucket(msg, payload)
+        st.check_bucket(msg, payload, hash_payload=self._chunk_bytes <= 0)
         stats.verify_s += time.perf_counter() - tv
         stats.timeline.append(("verify", msg.seq, tv, time.perf_counter()))
         return st, msg

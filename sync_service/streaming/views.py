@@ -17,6 +17,14 @@ from sync_service.dtypes import TORCH_DTYPES
 
 
 
+def as_byte_array(buf) -> np.ndarray:
+    """A 1-D ``uint8`` numpy array sharing memory with ``buf`` (numpy array, buffer or CPU uint8 tensor)."""
+    if isinstance(buf, torch.Tensor):
+        return buf.numpy()
+    arr = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
+    return arr.reshape(-1).view(np.uint8)
+
+
 def as_byte_tensor(buf) -> torch.Tensor:
     """A 1-D ``torch.uint8`` tensor sharing memory with ``buf`` (numpy array or buffer).
 
@@ -25,12 +33,12 @@ def as_byte_tensor(buf) -> torch.Tensor:
     """
     if isinstance(buf, torch.Tensor):
         return buf
-    arr = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
+    arr = as_byte_array(buf)
     if arr.nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "non-writable array": we only read it
-        return torch.from_numpy(arr.reshape(-1).view(np.uint8))
+        return torch.from_numpy(arr)
 
 
 def entry_view(buf_u8: torch.Tensor, entry: PlanEntry) -> torch.Tensor:

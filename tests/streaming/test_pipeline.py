@@ -226,3 +226,98 @@ def test_multi_sender_receiver_waits_for_every_sender():
         assert all(torch.equal(loop.engine.state_dict()[n], t) for n, t in TENSORS.items())
     finally:
         loop.close()
+
+
+class PieceEngine(CountingEngine):
+    """A ``ChunkedApply`` engine with pieces far smaller than the entries; records every apply."""
+
+    apply_chunk_bytes = 256
+
+    def __init__(self, tensors):
+        super().__init__(tensors)
+        self.applied: list[tuple[str, tuple]] = []
+
+    def apply(self, name, box, data):
+        self.applied.append((name, box))
+        super().apply(name, box, data)
+
+
+class WholeEngine(PieceEngine):
+    """The same engine without ``ChunkedApply``: every bucket is verified before any apply."""
+
+    @property
+    def apply_chunk_bytes(self):
+        raise AttributeError("not a ChunkedApply engine")  # hasattr() is False
+
+
+class CorruptingRx:
+    """A real receiver whose ``bucket``-th bucket payload gets one byte flipped after it arrived."""
+
+    def __init__(self, rx, bucket):
+        self.rx, self.bucket, self.seen = rx, bucket, -1
+
+    def __getattr__(self, name):
+        return getattr(self.rx, name)
+
+    def recv(self, timeout_s):
+        header, payload = self.rx.recv(timeout_s)
+        if payload is not None and len(payload):
+            self.seen += 1
+            if self.seen == self.bucket:
+                payload[len(payload) // 2] ^= 0xFF
+        return header, payload
+
+
+@pytest.mark.parametrize("engine_cls", [PieceEngine, WholeEngine], ids=["hashed_while_applying", "verified_first"])
+def test_checksum_checked_in_both_receiver_modes(engine_cls):
+    from protocols.interfaces import ChunkedApply
+
+    assert isinstance(engine_cls({}), ChunkedApply) == (engine_cls is PieceEngine)
+    tensors = dict(TENSORS, d=torch.randn(3, 40))  # bf16 [10, 300] split over buckets, fp32, int8, padding
+    plan = build_plan(TensorSource(tensors).param_metas(), bucket_bytes=CAP)
+    loop = Loop(tensors)
+    loop.engine = engine_cls({n: torch.zeros_like(t) for n, t in tensors.items()})
+    try:
+        assert "stats" in loop.run(TensorSource(tensors), plan, 1)
+        assert all(torch.equal(loop.engine.state_dict()[n], t) for n, t in tensors.items())
+        pieces = len(loop.engine.applied)
+        assert (pieces > len(plan.entries)) == (engine_cls is PieceEngine)  # "a": 2 entries of ~3 KB in 256 B pieces
+        loop.engine.applied.clear()
+        rx, loop.rx = loop.rx, CorruptingRx(loop.rx, bucket=1)
+        with pytest.raises(RemoteSyncError, match="xxh3_64 mismatch on bucket 1"):
+            loop.run(TensorSource({n: t + 1 for n, t in tensors.items()}), plan, 2)
+        loop.rx = rx
+        err = loop.last["error"]
+        assert isinstance(err, ProtocolError) and err.field == "header.checksum"
+        assert loop.engine.weight_version() == 1
+        assert all(torch.equal(loop.engine.state_dict()[n], t) for n, t in tensors.items())
+        if engine_cls is WholeEngine:  # only bucket 0 reached the engine, nothing of the corrupt bucket 1
+            assert set(loop.engine.applied) <= {(e.name, e.box) for e in buckets_of(plan, 0)[0]}
+        result = loop.run(TensorSource({n: t * 2 for n, t in tensors.items()}), plan, 3)  # channel usable again
+        assert result["stats"].version == 3
+        assert all(torch.equal(loop.engine.state_dict()[n], t * 2) for n, t in tensors.items())
+    finally:
+        loop.close()
+
+
+def test_apply_hashed_digest_equals_one_shot_checksum():
+    import numpy as np
+
+    from sync_service.streaming.applier import apply_hashed
+    from sync_service.streaming.checksum import RunningChecksum, checksum
+    from sync_service.streaming.sender import pack_bucket
+    from sync_service.streaming.views import as_byte_tensor
+
+    tensors = dict(TENSORS, d=torch.randn(3, 40))
+    plan = build_plan(TensorSource(tensors).param_metas(), bucket_bytes=CAP)
+    for entries in buckets_of(plan, 0):
+        arr = np.zeros(CAP, dtype=np.uint8)
+        n = pack_bucket(TensorSource(tensors), entries, as_byte_tensor(arr))
+        arr[n:] = 7  # bytes past the payload are not hashed
+        for chunk in (2, 100, 256, 1 << 20):
+            eng = PieceEngine({k: torch.zeros_like(t) for k, t in tensors.items()})
+            eng.begin_update(1, [e.name for e in entries])
+            assert apply_hashed(eng, arr[:n], entries, chunk, RunningChecksum()) == checksum(arr[:n])
+            for e in entries:
+                got = eng._staging.buffer(e.name)[tuple(slice(a, b) for a, b in e.box)]
+                assert torch.equal(got, tensors[e.name][tuple(slice(a, b) for a, b in e.box)])
