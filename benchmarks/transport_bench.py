@@ -20,7 +20,6 @@ import mmap
 import multiprocessing as mp
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -32,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from sync_service.transports.store import free_port  # noqa: E402
+
 ROWS, COLS = 4096, 2048  # one tensor: 16 MiB of bf16
 CTX = mp.get_context("spawn")
 
@@ -40,12 +41,6 @@ def tensors(gib: float) -> dict[str, torch.Tensor]:
     n = max(1, int(gib * (1 << 30)) // (ROWS * COLS * 2))
     g = torch.Generator().manual_seed(0)
     return {f"layers.{i}.w": torch.randn(ROWS, COLS, generator=g).bfloat16() for i in range(n)}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------- references (persistent peers)

@@ -14,3 +14,7 @@ TIMEOUT_S = 120.0
 """``SyncConfig.timeout_s``, ``--timeout`` and ``sync.timeout_s``: bound of every blocking step, seconds."""
 DELTA = True
 """``SyncConfig.delta`` and ``sync.delta``: after a full sync, send only the tensors the adapter changes."""
+RAY_WORKER_ENV = {"OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1",
+                  "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+"""``runtime_env["env_vars"]`` of the Ray every CLI starts or joins (``sync`` / ``demo`` / ``bench`` / ``run`` and
+the bench's namespace drivers): one thread per actor, no hub access, no progress bars or info logs."""

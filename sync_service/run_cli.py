@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from sync_service import security
+from sync_service import defaults, security
 from sync_service.deploy_config import ConfigError, DeployConfig, SecretConfig, load_config
 from sync_service.preflight import check_deploy, fail
 from sync_service.progress import Steps
@@ -52,8 +52,7 @@ def connect(address: str | None, cfg: DeployConfig, tmp: Path) -> None:
     """``ray.init`` to ``address``, or a local Ray advertising the config's resources."""
     import ray
 
-    env = {"OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1",
-           "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    env = defaults.RAY_WORKER_ENV
     if address is not None:
         ray.init(address=address, log_to_driver=False, runtime_env={"env_vars": env})
         return

@@ -111,8 +111,7 @@ def start_ray(tmp: Path) -> None:
     import ray
 
     ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(tmp), log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error",
-                                       "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}})
+             runtime_env={"env_vars": defaults.RAY_WORKER_ENV})
 
 
 def run_local(cfg: RunConfig, launcher) -> list[VersionRow]:

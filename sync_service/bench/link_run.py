@@ -21,6 +21,7 @@ from pathlib import Path
 
 from sync_service.bench.model import BenchModel, ModelShape
 from sync_service.bench.rows import BenchConfig, Row, guarded
+from sync_service.defaults import RAY_WORKER_ENV
 from sync_service.netns import HostsConfig, NamespaceHosts, RayHosts, RayHostsConfig, host_from_dict, wait_for_nodes
 
 __all__ = ["HOSTS", "drive", "run_links"]
@@ -29,8 +30,6 @@ HOSTS = ("trainers", "engines0", "engines1")
 """The namespace hosts of a link: the trainers' host first (behind the shaped uplink)."""
 HOST_RESOURCE = "wsbench_{host}"
 """Custom Ray resource of each host's node; an actor asking 0.01 of it runs there."""
-_ENV = {"OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1",
-        "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 
 
 def run_links(cfg: BenchConfig, models: dict[int, BenchModel], say=print) -> tuple[list[Row], list[dict]]:
@@ -93,7 +92,7 @@ def drive(spec_path: Path, launcher, say=print) -> int:
     failed: list[dict] = []
     work = Path(spec["work_dir"])
     work.mkdir(parents=True, exist_ok=True)
-    ray.init(address=spec["ray_address"], log_to_driver=False, runtime_env={"env_vars": _ENV})
+    ray.init(address=spec["ray_address"], log_to_driver=False, runtime_env={"env_vars": RAY_WORKER_ENV})
     try:
         wait_for_nodes(len(hosts), cfg.timeout_s)
         for m in spec["models"]:

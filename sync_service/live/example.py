@@ -13,12 +13,13 @@ so a test can make a send overlap a training step for certain.
 from __future__ import annotations
 
 import hashlib
-import socket
 import threading
 from datetime import timedelta
 
 import numpy as np
 import torch
+
+from sync_service.transports.store import free_port
 
 MODES = ("fsdp2", "ddp", "ep")
 TARGET_MODULES = ["q_proj", "v_proj"]
@@ -29,12 +30,6 @@ def lora_config(r: int = 2):
     from peft import LoraConfig
 
     return LoraConfig(r=r, lora_alpha=8, target_modules=TARGET_MODULES, target_parameters=TARGET_PARAMETERS)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _localize_experts(model, rank: int, world: int) -> None:
@@ -80,7 +75,7 @@ class ExampleTrainingRank:
         self._step = 0
 
     def rendezvous(self) -> tuple[str, int]:
-        return "127.0.0.1", _free_port()
+        return "127.0.0.1", free_port()
 
     def setup(self, host: str, port: int, base_dir: str, mode: str, *, lora_r: int = 2, shard_dim: int = 0,
               restore: dict[str, np.ndarray] | None = None, dtype: str = "float32", **attach_kw):

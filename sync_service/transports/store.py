@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from protocols.interfaces import TransportError
 
-__all__ = ["StoreClient", "StoreServer", "bind_listener", "local_address_toward"]
+__all__ = ["StoreClient", "StoreServer", "bind_listener", "free_port", "local_address_toward"]
 
 MAX_MESSAGE_BYTES = 4 << 20
 """Largest request or answer, bytes (replies and gloo address records are far smaller)."""
@@ -88,6 +88,13 @@ def bind_listener(host: str, port_range: tuple[int, int] | None) -> socket.socke
             last = exc
     where = "a free port" if port_range is None else f"a free port in {port_range[0]}-{port_range[1]}"
     raise TransportError(f"cannot listen on {host}: no {where} ({last}); widen SyncConfig.port_range or free one")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now (the OS picks it), for a listener another process opens; it can be
+    taken again before that process binds it: where this process listens itself, keep ``bind_listener``'s socket."""
+    with bind_listener(host, None) as sock:
+        return sock.getsockname()[1]
 
 
 def local_address_toward(host: str, port: int) -> str:

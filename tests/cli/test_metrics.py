@@ -4,12 +4,8 @@ staleness equal the engines' committed versions; a failed push counts under its 
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 import ray
@@ -19,24 +15,17 @@ from sync_service.api import SyncConfig, SyncError, WeightSync
 from actors.launch import start_engines, start_trainers
 from sync_service.telemetry import STAGES
 from tests.faults import inject
+from tests.ray_session import local_ray
 
 pytestmark = pytest.mark.metrics
-ROOT = str(Path(__file__).resolve().parents[2])
 TIMEOUT_S = 60.0
 
 
 @pytest.fixture(scope="module")
 def ray_session():
     """A local Ray whose workers import this repository (``tests.faults.inject`` runs inside an engine)."""
-    tmp = tempfile.mkdtemp(prefix="wsm", dir="/tmp")
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tmp, log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error",
-                                       "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}})
-    try:
+    with local_ray("wsm", importable=True) as tmp:
         yield tmp
-    finally:
-        ray.shutdown()
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:

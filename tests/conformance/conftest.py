@@ -3,30 +3,23 @@
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import uuid
-from pathlib import Path
 
 import pytest
 import ray
 
 from sync_service.transports import TransportSpec, host_channel, open_sender
 from tests.conformance.peers import EnginePeer
+from tests.ray_session import local_ray
 
-ROOT = str(Path(__file__).resolve().parents[2])
 KINDS = ["shm", "ray", "torch_dist"]
 BUCKET_BYTES = 4096
 
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    tmp = tempfile.mkdtemp(prefix="wsr", dir="/tmp")
-    ray.init(num_cpus=2, _temp_dir=tmp, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
-    yield
-    ray.shutdown()
-    shutil.rmtree(tmp, ignore_errors=True)
+    with local_ray("wsr", importable=True):
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from sync_service.engines.vllm_server.client import (
     ServerClient, ServerRequestError, ServerSetupError, ServerUnreachableError,
 )
 from sync_service.engines.vllm_server.engine import VLLMServerConfig, VLLMServerEngine
-from sync_service.engines.vllm_server.launch import free_port
+from sync_service.transports.store import free_port
 from sync_service.engines.vllm_server.wire import InitInfo, command_body, verify_command
 
 SECRET = b"k" * 32

@@ -5,31 +5,21 @@ checks of the engines' weights."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from pathlib import Path
-
 import numpy as np
 import pytest
 import ray
 import torch
 
+from tests.ray_session import local_ray
 
-ROOT = str(Path(__file__).resolve().parents[2])
 E = 4
 TIMEOUT_S = 10.0
 
 
 @pytest.fixture(scope="package")
 def ray_local():
-    tmp = tempfile.mkdtemp(prefix="wsf", dir="/tmp")
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tmp, log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error", "PYTHONPATH": ROOT}})
-    try:
+    with local_ray("wsf", importable=True) as tmp:
         yield tmp
-    finally:
-        ray.shutdown()
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.fixture(scope="package")

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from sync_service.api import PlanMismatchError, SyncConfig, SyncError, WeightSync
 from actors.launch import start_engines
 from tests.faults import inject
-from tests.faults.conftest import TIMEOUT_S, Replay, assert_equal_state, engine_state
+from tests.faults.conftest import TIMEOUT_S, assert_equal_state, engine_state
 
 pytestmark = pytest.mark.faults
 

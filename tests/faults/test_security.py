@@ -4,11 +4,9 @@ listening only on the address they are given, secrets read only from safe files.
 from __future__ import annotations
 
 import os
-import threading
 import uuid
 
 import msgpack
-import numpy as np
 import pytest
 import ray
 import torch

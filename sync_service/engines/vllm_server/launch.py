@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,19 +26,13 @@ from pathlib import Path
 from sync_service.engines.vllm.config import VLLM_ENV
 from sync_service.engines.vllm_server.client import ServerClient, ServerError
 from sync_service.engines.vllm_server.wire import BACKEND
+from sync_service.transports.store import free_port
 
-__all__ = ["LocalServer", "free_port", "server_command"]
+__all__ = ["LocalServer", "server_command"]
 
 CPU_ENV = {**{k: VLLM_ENV[k] for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE")}, "VLLM_SERVER_DEV_MODE": "1"}
 """Environment of a CPU server: ``VLLM_ENV``'s CPU settings (no core pinning, 1 GiB KV cache; a server keeps
 vLLM's own process layout) and the RL routes."""
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def server_command(model_dir: str | Path, port: int, *, dtype: str, max_model_len: int | None = None,
