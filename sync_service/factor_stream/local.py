@@ -26,6 +26,7 @@ from sync_service.engines.memory import MemoryEngine
 from sync_service.factor_stream.choose import FactorChoice, FactorPolicy, choose
 from sync_service.factor_stream.plan import adapter_recipes, build_factor_plan, factor_targets, recipe_names_of, target_costs, validate_factor_plan
 from sync_service.factor_stream.receiver import FactorEngine, FactorReceiverConfig
+from sync_service.factor_stream.recipes import factor_wire_dtype
 from sync_service.factor_stream.source import FactorLedger, FactorSource
 from sync_service.merge.adapter import adapter_from_state_dict
 from sync_service.merge.source import MergeConfig, MergedSource
@@ -98,7 +99,7 @@ class LocalSync:
                                     owned=shard.owned(), layout=shard.layout))
         return out
 
-    def _setup(self, sources: list[MergedSource]) -> None:
+    def _setup(self, sources: list[MergedSource], state: Mapping[str, torch.Tensor]) -> None:
         owned = [s.param_metas() for s in sources]
         cap = self.config.bucket_bytes
         if not self.factor_mode:
@@ -107,7 +108,8 @@ class LocalSync:
             metas = self.shards[0].metas()
             self.choice = choose(target_costs(sources[0].adapter, metas, {}), self.config.policy)
             recipes = adapter_recipes(sources[0].adapter, metas, sorted(self.choice.factors),
-                                      experts_per_recipe=self.config.policy.experts_per_recipe, bucket_bytes=cap)
+                                      experts_per_recipe=self.config.policy.experts_per_recipe, bucket_bytes=cap,
+                                      wire_dtype=factor_wire_dtype(state.values()))
             self.plan = build_factor_plan(owned, recipes, bucket_bytes=cap)
             validate_factor_plan(self.plan, self.memory.param_metas(), engine="local")
             self.engine = FactorEngine(self.memory, self.plan, config=FactorReceiverConfig(
@@ -127,7 +129,7 @@ class LocalSync:
         """
         sources = self._sources(state)
         if self.plan is None:
-            self._setup(sources)
+            self._setup(sources, state)
         full = not self._full_done if full is None else full
         names = None if full else self._delta_names(version, sources)
         if full and self.factor_mode:  # record the digests of this version's blocks (all of them move)

@@ -48,13 +48,14 @@ def target_costs(adapter: LoraAdapter, base_metas: Sequence[ParamMeta], out_dtyp
 
 
 def adapter_recipes(adapter: LoraAdapter, base_metas: Sequence[ParamMeta], targets: Iterable[str], *,
-                    experts_per_recipe: int, bucket_bytes: int) -> list[Recipe]:
-    """Every recipe block of ``targets`` (factor-mode names), in target then term order."""
+                    experts_per_recipe: int, bucket_bytes: int, wire_dtype: str | None = None) -> list[Recipe]:
+    """Every recipe block of ``targets`` (factor-mode names), in target then term order; factors travel
+    in ``wire_dtype`` (``recipes.factor_wire_dtype``; ``None``: the terms' own dtype)."""
     metas = {m.name: m for m in base_metas}
     out: list[Recipe] = []
     for name in targets:
         out.extend(recipes_for_target(metas[name], adapter.terms[name], experts_per_recipe=experts_per_recipe,
-                                      max_block_bytes=bucket_bytes))
+                                      max_block_bytes=bucket_bytes, wire_dtype=wire_dtype))
     return out
 
 

@@ -32,7 +32,7 @@ from protocols.recipe import Recipe
 from protocols.wire import SyncPlan
 from sync_service.dtypes import TORCH_DTYPES
 from sync_service.factor_stream.plan import merged_boxes
-from sync_service.factor_stream.recipes import TermBuffers, terms_by_target
+from sync_service.factor_stream.recipes import TermBuffers, term_dtype, terms_by_target
 from sync_service.factor_stream.rx_merge import MergePool
 from sync_service.merge.base import TensorDictBase
 from sync_service.merge.source import MergeConfig, MergedSource
@@ -73,7 +73,7 @@ class FactorEngine:
         self.config = config or FactorReceiverConfig()
         self.device = torch.device(self.config.pristine_device)
         self._recipes: dict[str, Recipe] = {e.name: e.recipe for e in plan.entries if e.recipe is not None}
-        self._dtypes = {e.name: e.dtype for e in plan.entries if e.recipe is not None}
+        self._dtypes = {e.name: term_dtype(e.dtype) for e in plan.entries if e.recipe is not None}  # bf16 wire → fp32
         self._blocks = {t: {i: [r.experts for r in rs] for i, rs in terms.items()}
                         for t, terms in terms_by_target(list(self._recipes.values())).items()}
         self._boxes = merged_boxes(plan)

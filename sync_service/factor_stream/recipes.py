@@ -4,16 +4,19 @@ Legend: E experts, r rank, n_e experts of a block. A merge-core ``LoraTerm`` (``
 .adapter``) on a 3D target is cut into blocks of at most ``experts_per_recipe`` experts (aligned to
 multiples of it, so a block never straddles two EP ranks of equal size); a 2D term is one block.
 Each block travels as one plan entry of kind ``"recipe"`` (``protocols.recipe``): x then y, in the
-term's own dtype (fp32, or float64 for a float64 adapter) and in the term's own memory order (a
-factor the merge core holds transposed travels transposed, flag ``x_t``/``y_t``), so the receiver
-rebuilds a term with the same values *and strides* as the trainer's and the merge kernel
-(``addmm_``/``baddbmm_``) takes the same path: the merged values are bitwise equal.
+term's own dtype (fp32, or float64 for a float64 adapter) — or in bf16 when every factor of the
+trainer's adapter is bf16 (``factor_wire_dtype``: the merge core's fp32 terms are then widened bf16
+values, so the bf16 bytes carry them exactly in half the bytes and the receiver widens them back) —
+and in the term's own memory order (a factor the merge core holds transposed travels transposed,
+flag ``x_t``/``y_t``), so the receiver rebuilds a term with the same fp32 values *and strides* as the
+trainer's and the merge kernel (``addmm_``/``baddbmm_``) takes the same path: the merged values are
+bitwise equal.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +26,26 @@ from protocols.recipe import Recipe, sel_len
 from sync_service.dtypes import TORCH_DTYPES, WIRE_DTYPES
 from sync_service.merge.terms import LoraTerm
 
-__all__ = ["TermBuffers", "recipes_for_target", "term_factor_bytes", "write_block", "read_block"]
+__all__ = ["TermBuffers", "factor_wire_dtype", "recipes_for_target", "term_dtype", "term_factor_bytes", "write_block",
+           "read_block"]
+
+_ITEM_DTYPES = {2: "bfloat16", 4: "float32", 8: "float64"}
+"""Bytes per factor element on the wire → its dtype (a 2-byte factor is always bf16, see ``factor_wire_dtype``)."""
+
+
+def factor_wire_dtype(factors: Iterable[torch.Tensor]) -> str | None:
+    """``"bfloat16"`` when every one of the trainer's LoRA factors (as the trainer holds them, before the
+    merge core widens them to fp32) is bf16, else ``None`` (ship the terms' own dtype). Widening is
+    exact and the merge core only reshapes, concatenates and block-diagonalizes factors, so every term
+    value is then a bf16 value: the bf16 wire loses nothing."""
+    dtypes = {t.dtype for t in factors}
+    return "bfloat16" if dtypes == {torch.bfloat16} else None
+
+
+def term_dtype(wire: str) -> str:
+    """The dtype a receiver rebuilds a term in from factors of wire dtype ``wire`` (the trainer's term
+    dtype: fp32, or float64 for a float64 adapter)."""
+    return "float64" if wire == "float64" else "float32"
 
 
 def _transposed(t: torch.Tensor) -> bool:
@@ -36,10 +58,11 @@ def _wire(t: torch.Tensor, flag: bool) -> torch.Tensor:
 
 
 def recipes_for_target(meta: ParamMeta, terms: Sequence[LoraTerm], *, experts_per_recipe: int,
-                       max_block_bytes: int) -> list[Recipe]:
+                       max_block_bytes: int, wire_dtype: str | None = None) -> list[Recipe]:
     """Every recipe block of ``terms`` on target ``meta`` (whole tensor), in term order.
 
     ``max_block_bytes`` (a bucket) caps a block: blocks shrink below ``experts_per_recipe`` to fit.
+    ``wire_dtype``: the factors' dtype on the wire (``factor_wire_dtype``); ``None``: the terms' own.
 
     Raises:
         ValueError: one expert's (or a 2D term's) factors are larger than ``max_block_bytes``,
@@ -49,8 +72,7 @@ def recipes_for_target(meta: ParamMeta, terms: Sequence[LoraTerm], *, experts_pe
         raise ValueError(f"experts_per_recipe={experts_per_recipe} must be >= 1")
     out = []
     for index, term in enumerate(terms):
-        dtype = WIRE_DTYPES[term.x.dtype]
-        item = DTYPE_BYTES[dtype]
+        item = DTYPE_BYTES[wire_dtype or WIRE_DTYPES[term.x.dtype]]
         x_t, y_t = _transposed(term.x), _transposed(term.y)
         r = term.x.shape[-1]
         per_expert = (sel_len(term.rows) + sel_len(term.cols)) * r * item
@@ -72,10 +94,9 @@ def recipes_for_target(meta: ParamMeta, terms: Sequence[LoraTerm], *, experts_pe
 
 
 def factor_dtype_of(recipe: Recipe) -> str:
-    """Wire dtype of a recipe's factors, from its layout (``y_at`` = numel(x) · itemsize). Merge-core
-    terms hold fp32, or float64 for a float64 adapter (``adapter_keys._acc``)."""
-    item = recipe.y_at // math.prod(recipe.x_shape())
-    return {4: "float32", 8: "float64"}[item]
+    """Wire dtype of a recipe's factors, from its layout (``y_at`` = numel(x) · itemsize): bf16 (see
+    ``factor_wire_dtype``), or the merge-core terms' fp32 / float64 (``adapter_keys._acc``)."""
+    return _ITEM_DTYPES[recipe.y_at // math.prod(recipe.x_shape())]
 
 
 def term_factor_bytes(terms: Sequence[LoraTerm]) -> int:

@@ -20,7 +20,8 @@ import xxhash
 from protocols.params import Box, ParamMeta
 from protocols.recipe import Recipe
 from protocols.wire import SyncPlan
-from sync_service.factor_stream.recipes import write_block
+from sync_service.dtypes import TORCH_DTYPES
+from sync_service.factor_stream.recipes import factor_dtype_of, write_block
 from sync_service.merge.source import MergedSource
 from sync_service.merge.terms import LoraTerm
 
@@ -80,7 +81,7 @@ class FactorSource:
         out = {}
         for name in names:
             recipe = self.recipes[name]
-            buf = torch.empty(recipe.numel(), dtype=self.term(recipe).x.dtype)
+            buf = torch.empty(recipe.numel(), dtype=TORCH_DTYPES[factor_dtype_of(recipe)])
             write_block(self.term(recipe), recipe, buf)
             out[name] = xxhash.xxh3_64_intdigest(buf.view(torch.uint8).numpy())
         return out

@@ -15,6 +15,7 @@ from protocols.endpoints import FactorCost
 from protocols.recipe import Recipe
 from protocols.wire import SyncPlan
 from sync_service.factor_stream.plan import adapter_recipes, recipe_names_of, target_costs
+from sync_service.factor_stream.recipes import factor_wire_dtype
 from sync_service.factor_stream.source import FactorLedger, FactorSource
 from sync_service.merge.adapter import adapter_from_state_dict
 from sync_service.merge.source import MergedSource
@@ -52,7 +53,8 @@ class FactorTrainer:
     def recipes(self, state, names: list[str], *, experts_per_recipe: int, bucket_bytes: int) -> tuple[Recipe, ...]:
         """Every recipe block of ``names``."""
         return tuple(adapter_recipes(structural_adapter(state), state.base.metas(), names,
-                                     experts_per_recipe=experts_per_recipe, bucket_bytes=bucket_bytes))
+                                     experts_per_recipe=experts_per_recipe, bucket_bytes=bucket_bytes,
+                                     wire_dtype=factor_wire_dtype(state.factors.values())))
 
     def delta(self, state, version: int, plan: SyncPlan, rank: int) -> list[str]:
         """Gather the snapshot's factors (collective), keep the source for ``source(version)``, and

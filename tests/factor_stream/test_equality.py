@@ -89,3 +89,20 @@ def test_adapter_kinds_equal_merged(model_factory, kind, extra):
     if extra.get("modules_to_save"):
         assert choice.reasons["lm_head.weight"] == "modules_to_save replacement"
     assert choice.factors
+
+
+def test_bf16_factors_travel_in_bf16_and_stay_bitwise_equal(model_factory):
+    """A trainer holding bf16 factors ships them in bf16 (half the bytes of the fp32 terms), and the
+    engine is still bitwise the merged-mode engine and the reference merge."""
+    import dataclasses
+
+    model = model_factory("qwen3_moe", "bfloat16")
+    bf16 = dataclasses.replace(model, state={k: v.to(torch.bfloat16) for k, v in model.state.items()})
+    runs, log, state = run_both(bf16, ep=2)
+    recipes = [e for e in runs["factors"].plan.entries if e.recipe is not None]
+    assert recipes and {e.dtype for e in recipes} == {"bfloat16"}
+    stats, merged = log[-1]
+    factor_bytes = sum(e.nbytes for e in recipes)  # 2 B per factor element; every block changed
+    assert factor_bytes == sum(e.recipe.numel() for e in recipes) * 2
+    assert factor_bytes <= stats["factors"].bytes < factor_bytes + 64 * len(recipes)  # + 64-byte entry alignment
+    assert differing(merged, model.tensors) and not differing(merged, reference(bf16, state))
