@@ -5,35 +5,23 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from sync_service.bench.link_report import build_links, goal
+from sync_service.bench.goals import FLOOR_COLUMN, STAGE_COLUMN, GoalTable, goals, markdown, number, ratios
+from sync_service.bench.link_report import build_links
 from sync_service.bench.live import live_goal
 from sync_service.bench.rows import LINK_ROW_KINDS, ROW_KINDS, BenchConfig, Row
-from sync_service.coordinator.metrics import STAGES
 
 __all__ = ["GOALS", "build_report", "markdown_table", "write_plot"]
 
-# ratio -> (numerator row, denominator row, goal as (op, bound))
-GOALS = {
-    "delta_vs_floor": ("delta", "floor", ("<=", 2.0)),
-    "delta_vs_full": ("delta", "full", ("<=", 1.0)),
-    "disk_vs_delta": ("disk", "delta", (">=", 10.0)),
-    "gather_vs_delta": ("gather", "delta", (">=", 3.0)),
-    "fanout4_vs_fanout1": ("delta_fanout4", "delta", ("<=", 1.5)),
-    "vllm_server_vs_vllm": ("vllm_server_delta", "vllm_delta", ("<=", 1.3)),
-    "vllm_server_disk_vs_delta": ("vllm_server_disk", "vllm_server_delta", (">=", 10.0)),
+GOALS: GoalTable = {
+    "delta_vs_floor": (("delta", "median_s"), ("floor", "median_s"), ("<=", 2.0)),
+    "delta_vs_full": (("delta", "median_s"), ("full", "median_s"), ("<=", 1.0)),
+    "disk_vs_delta": (("disk", "median_s"), ("delta", "median_s"), (">=", 10.0)),
+    "gather_vs_delta": (("gather", "median_s"), ("delta", "median_s"), (">=", 3.0)),
+    "fanout4_vs_fanout1": (("delta_fanout4", "median_s"), ("delta", "median_s"), ("<=", 1.5)),
+    "vllm_server_vs_vllm": (("vllm_server_delta", "median_s"), ("vllm_delta", "median_s"), ("<=", 1.3)),
+    "vllm_server_disk_vs_delta": (("vllm_server_disk", "median_s"), ("vllm_server_delta", "median_s"), (">=", 10.0)),
 }
-
-
-def _find(rows: list[Row], kind: str, size: int) -> Row | None:
-    return next((r for r in rows if r.kind == kind and r.size == size), None)
-
-
-def _ratios(rows: list[Row], size: int) -> dict[str, float | None]:
-    out = {}
-    for name, (num, den, _) in GOALS.items():
-        a, b = _find(rows, num, size), _find(rows, den, size)
-        out[name] = a.median_s / b.median_s if a and b and b.median_s > 0 else None
-    return out
+"""Ratios of median seconds (numerator row / denominator row) and their goals (``goals.GoalTable``)."""
 
 
 def build_report(rows: list[Row], cfg: BenchConfig, *, factor_bytes: dict[int, int], factor_streaming: dict,
@@ -43,8 +31,8 @@ def build_report(rows: list[Row], cfg: BenchConfig, *, factor_bytes: dict[int, i
     ``link_rows`` (``Row.link`` set) become ``"links"`` (``link_report.build_links``)."""
     sizes = sorted(set(cfg.sizes))
     ref = sizes[0]
-    ratios = _ratios(rows, ref)
-    goals = {name: goal(ratios[name], op, bound) for name, (_, _, (op, bound)) in GOALS.items()}
+    at_ref = ratios(rows, ref, GOALS)
+    all_goals = goals(at_ref, GOALS)
 
     def extra(kind: str, kinds: tuple[str, ...] | None = None) -> dict[str, int]:
         return {str(s): max(r.trainer_peak_extra_bytes for r in rows if r.size == s and r.kind in (kinds or (kind,)))
@@ -52,11 +40,11 @@ def build_report(rows: list[Row], cfg: BenchConfig, *, factor_bytes: dict[int, i
 
     ours_extra = extra("delta", ("delta", "full"))
     budget = {str(s): 2 * cfg.bucket_bytes + factor_bytes[s] for s in sizes if s in factor_bytes}
-    goals["trainer_memory"] = {
+    all_goals["trainer_memory"] = {
         "goal": "trainer peak extra <= 2 x bucket + factors, flat in model size",
         "value": ours_extra, "budget": budget,
         "met": all(ours_extra[k] <= budget[k] for k in ours_extra) if ours_extra else None}
-    goals["live_trainer_memory"] = live_goal(rows, cfg.bucket_bytes)
+    all_goals["live_trainer_memory"] = live_goal(rows, cfg.bucket_bytes)
     floor_s = {r.size: r.median_s for r in rows if r.kind == "floor"}
     return {
         "command": "weightsync bench " + " ".join(machine.get("argv", [])),
@@ -67,9 +55,9 @@ def build_report(rows: list[Row], cfg: BenchConfig, *, factor_bytes: dict[int, i
                    "live_max_size": cfg.live_max_size, "vllm": cfg.vllm, "vllm_max_size": cfg.vllm_max_size,
                    "links": list(cfg.links), "link_max_size": cfg.link_max_size, "link_transport": cfg.link_transport},
         "reference_size": ref,
-        "ratios": ratios,
-        "ratios_by_size": {str(s): _ratios(rows, s) for s in sizes},
-        "goals": goals,
+        "ratios": at_ref,
+        "ratios_by_size": {str(s): ratios(rows, s, GOALS) for s in sizes},
+        "goals": all_goals,
         "trainer_peak_extra_bytes": ours_extra,
         "trainer_budget_bytes": budget,
         "gather_trainer_peak_extra_bytes": extra("gather"),
@@ -84,20 +72,18 @@ def build_report(rows: list[Row], cfg: BenchConfig, *, factor_bytes: dict[int, i
     }
 
 
+COLUMNS = (("size", "---:", lambda r: f"{r['size']}x"), ("row", "---", lambda r: r["kind"]),
+           ("engines", "---:", lambda r: str(r["engines"])), ("GB", "---:", number("bytes", 1e9)),
+           ("median s", "---:", number("median_s")), ("GB/s", "---:", number("gb_per_s")), FLOOR_COLUMN,
+           ("trainer peak RSS GB", "---:", number("trainer_peak_rss_bytes", 1e9, ".2f")),
+           ("trainer extra MB (allocated / RSS)", "---:", lambda r: f"{r['trainer_peak_extra_bytes'] / 1e6:.0f} / "
+                                                                    f"{r.get('trainer_peak_extra_rss_bytes', 0) / 1e6:.0f}"),
+           ("engine peak RSS GB", "---:", number("engine_peak_rss_bytes", 1e9, ".2f")), STAGE_COLUMN)
+
+
 def markdown_table(report: dict) -> str:
     """One line per row and size: seconds, GB/s, x floor, memory, stage seconds."""
-    head = ("| size | row | engines | GB | median s | GB/s | x floor | trainer peak RSS GB | trainer extra MB "
-            f"(allocated / RSS) | engine peak RSS GB | {' / '.join(k.removesuffix('_s') for k in STAGES)} s |")
-    lines = [head, "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for r in report["rows"]:
-        st = r["stages"]
-        stages = " / ".join(f"{st[k]:.2f}" if k in st else "-" for k in STAGES)
-        ratio = f"{r['ratio_to_floor']:.2f}" if r["ratio_to_floor"] else "-"
-        lines.append(f"| {r['size']}x | {r['kind']} | {r['engines']} | {r['bytes'] / 1e9:.3f} | {r['median_s']:.3f} | "
-                     f"{r['gb_per_s']:.3f} | {ratio} | {r['trainer_peak_rss_bytes'] / 1e9:.2f} | "
-                     f"{r['trainer_peak_extra_bytes'] / 1e6:.0f} / {r.get('trainer_peak_extra_rss_bytes', 0) / 1e6:.0f} | "
-                     f"{r['engine_peak_rss_bytes'] / 1e9:.2f} | {stages} |")
-    return "\n".join(lines)
+    return markdown(COLUMNS, report["rows"])
 
 
 def write_plot(report: dict, path: Path) -> None:

@@ -5,7 +5,6 @@ memory a process allocated — anonymous + shared-memory pages (``RssAnon + RssS
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Mapping
 
 import psutil

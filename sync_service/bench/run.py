@@ -10,7 +10,6 @@ factor-streaming row
 
 from __future__ import annotations
 
-import gc
 import os
 import shutil
 import sys
