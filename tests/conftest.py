@@ -15,3 +15,11 @@ def ray_local():
     """One local Ray per test module: 2 CPUs, its own short temp dir, no dashboard; yields the dir."""
     with local_ray() as tmp:
         yield tmp
+
+
+@pytest.fixture(scope="session")
+def peft_oracle():
+    """``tests.oracle.OracleCache``: PEFT's float64 merge, cast once, computed once per base + adapter values."""
+    from tests.oracle import OracleCache
+
+    return OracleCache()

@@ -1,7 +1,8 @@
 """Fixtures of the fault suite: one local Ray for the whole package (own temp dir, 2 CPUs), a tiny
 real Qwen3-MoE checkpoint + PEFT adapter, a pool of real actors (2 trainer shards, 3 transformers
 engines) shared by the tests — a test that kills an actor puts a fresh one in its place — and
-checks of the engines' weights."""
+checks of the engines' weights: against PEFT's ``merge_and_unload`` of the replayed adapter (float64, cast
+once; ``tests.oracle``), and bitwise against an engine's own earlier state where a failure must change nothing."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import ray
 import torch
 
+from tests.oracle import assert_engines_bitwise, assert_engines_match
 from tests.ray_session import local_ray
 
 E = 4
@@ -34,38 +36,34 @@ def model_files(tmp_path_factory):
 
 
 class Replay:
-    """The driver-side reference: the adapter after the same ``train_step``s as the trainers."""
+    """The driver side of a test: the adapter after the same ``train_step``s as the trainers."""
 
-    def __init__(self, base, adapter):
+    def __init__(self, base, adapter, oracles):
         from sync_service.local import AdapterReplay
 
-        self.base, self.replay = base, AdapterReplay(adapter)
+        self.base, self.replay, self.oracles = base, AdapterReplay(adapter), oracles
 
     def step(self, trainers, step: int) -> None:
         ray.get([t.train_step.remote(step) for t in trainers], timeout=60)
         self.replay.step(step)
 
-    def reference(self) -> dict[str, torch.Tensor]:
-        from sync_service.local import reference_state
-
-        return reference_state(self.base, self.replay.peft_config, self.replay.state)
+    def oracle(self) -> dict[str, torch.Tensor]:
+        """PEFT's merge of the replayed adapter (``tests.oracle.OracleCache``): what the engines must serve."""
+        return self.oracles.state(self.base, self.replay)
 
 
 def engine_state(engine) -> dict[str, np.ndarray]:
     return ray.get(engine.state.remote(), timeout=60)
 
 
+def assert_oracle_state(engine, oracle: dict[str, torch.Tensor], what: str) -> None:
+    """The engine serves ``oracle`` (``Replay.oracle()``) up to fp32-merge rounding (``values_match``)."""
+    assert_engines_match([engine], oracle, what=what, timeout_s=60)
+
+
 def assert_equal_state(engine, expected: dict, what: str) -> None:
     """Bitwise equality of every served parameter with ``expected`` (numpy arrays or torch tensors)."""
-    got = engine_state(engine)
-    assert set(got) == set(expected), f"{what}: names differ {sorted(set(got) ^ set(expected))[:4]}"
-    bad = []
-    for name, want in expected.items():
-        if isinstance(want, torch.Tensor):
-            want = (want.float() if want.dtype == torch.bfloat16 else want).numpy()
-        if not np.array_equal(got[name], want):
-            bad.append(name)
-    assert not bad, f"{what}: {len(bad)} parameter(s) differ, e.g. {bad[:3]}"
+    assert_engines_bitwise([engine], expected, what=what, timeout_s=60)
 
 
 class Pool:
@@ -74,11 +72,11 @@ class Pool:
     one of its kind in its place. Weight versions keep increasing across tests (``next_version``):
     every WeightSync starts its versions above any an engine has served."""
 
-    def __init__(self, base, adapter):
+    def __init__(self, base, adapter, oracles):
         from actors.trainer import TrainerShard
         from actors.launch import start_engines
 
-        self.base, self.adapter = base, adapter
+        self.base, self.adapter, self.oracles = base, adapter, oracles
         self.trainer_actors = [TrainerShard.remote(base_dir=str(base), adapter_dir=str(adapter)) for _ in range(2)]
         self.engines = start_engines(base, 3, prefix="e", timeout_s=600)
         self._version = 0
@@ -87,6 +85,10 @@ class Pool:
         from actors.launch import start_trainers
 
         return start_trainers(self.base, self.adapter, ep=ep, reuse=self.trainer_actors[:ep], timeout_s=600)
+
+    def replay(self) -> Replay:
+        """A replay of the adapter from its initial state (the trainers' state after ``trainers(ep)``)."""
+        return Replay(self.base, self.adapter, self.oracles)
 
     def next_version(self) -> int:
         self._version += 1
@@ -111,7 +113,7 @@ class Pool:
 
 
 @pytest.fixture(scope="package")
-def pool(ray_local, model_files):
-    p = Pool(*model_files)
+def pool(ray_local, model_files, peft_oracle):
+    p = Pool(*model_files, peft_oracle)
     yield p
     p.close()

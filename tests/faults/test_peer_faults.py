@@ -11,7 +11,7 @@ import ray
 
 from sync_service.api import SyncConfig, SyncError, WeightSync
 from tests.faults import inject
-from tests.faults.conftest import TIMEOUT_S, Replay, assert_equal_state
+from tests.faults.conftest import TIMEOUT_S, assert_oracle_state
 
 pytestmark = pytest.mark.faults
 
@@ -32,12 +32,12 @@ def test_receiver_raises_inside_torch_dist_transfer(pool):
     """torch.distributed: an engine raises while the trainer is mid-stream in its broadcasts; the
     trainer fails within 5 s with the engine's message, and the next push works on the same channel."""
     trainers, engines = pool.trainers(ep=1), pool.engines[:2]  # torch_dist carries one sender
-    replay = Replay(pool.base, pool.adapter)
+    replay = pool.replay()
     sync = WeightSync(trainers=trainers, engines=engines, config=config("torch"))
     try:
         v = pool.next_version()
         sync.push(v)
-        before = replay.reference()
+        before = replay.oracle()
         replay.step(trainers, 1)
         name = "model.layers.1.mlp.experts.down_proj"
         ray.get(engines[1].__ray_call__.remote(inject.fail_apply, name, "injected: staging buffer poisoned"), timeout=30)
@@ -49,23 +49,23 @@ def test_receiver_raises_inside_torch_dist_transfer(pool):
         assert not any(e.committed for e in err.value.metrics.engines)
         for e in engines:
             assert ray.get(e.weight_version.remote(), timeout=30) == v
-            assert_equal_state(e, before, "engine after the failed push")
+            assert_oracle_state(e, before, "engine after the failed push")
         replay.step(trainers, 2)
         sync.push(pool.next_version())
         for e in engines:
-            assert_equal_state(e, replay.reference(), "engine after the next push")
+            assert_oracle_state(e, replay.oracle(), "engine after the next push")
     finally:
         sync.close()
 
 
 def test_trainer_killed_mid_stream_aborts_within_timeout_no_engine_changes(pool):
     trainers, engines = pool.trainers(ep=2), pool.engines[:2]
-    replay = Replay(pool.base, pool.adapter)
+    replay = pool.replay()
     sync = WeightSync(trainers=trainers, engines=engines, config=config())
     try:
         v = pool.next_version()
         sync.push(v)
-        before = replay.reference()
+        before = replay.oracle()
         ray.get([t.train_step.remote(1) for t in trainers], timeout=30)
         ray.get(trainers[1].__ray_call__.remote(inject.slow_fill, 0.3), timeout=30)
         handle = sync.push_async(pool.next_version())
@@ -78,7 +78,7 @@ def test_trainer_killed_mid_stream_aborts_within_timeout_no_engine_changes(pool)
         assert not any(e.committed for e in err.value.metrics.engines)
         for e in engines:
             assert ray.get(e.weight_version.remote(), timeout=30) == v
-            assert_equal_state(e, before, "engine after the aborted push")
+            assert_oracle_state(e, before, "engine after the aborted push")
     finally:
         sync.close()
         pool.replace(trainers[1])
@@ -87,7 +87,7 @@ def test_trainer_killed_mid_stream_aborts_within_timeout_no_engine_changes(pool)
 def test_engine_killed_mid_stream_others_commit_and_a_restarted_engine_catches_up(pool):
     trainers, engines = pool.trainers(ep=2), list(pool.engines)
     names = ray.get([e.engine_name.remote() for e in engines], timeout=30)
-    replay = Replay(pool.base, pool.adapter)
+    replay = pool.replay()
     sync = WeightSync(trainers=trainers, engines=engines, config=config())
     try:
         sync.push(pool.next_version())
@@ -101,19 +101,19 @@ def test_engine_killed_mid_stream_others_commit_and_a_restarted_engine_catches_u
         lost = by_name[names[1]]
         assert not lost.committed and names[1] in lost.error and "died" in lost.error, lost
         assert by_name[names[0]].committed and by_name[names[2]].committed, by_name
-        expected = replay.reference()
+        expected = replay.oracle()
         for e in (engines[0], engines[2]):
             assert ray.get(e.weight_version.remote(), timeout=30) == v
-            assert_equal_state(e, expected, "survivor")
+            assert_oracle_state(e, expected, "survivor")
         assert sync.engine_versions() == {names[0]: v, names[2]: v}  # the dead engine left the membership
 
         restarted = pool.replace(engines[1])
         sync.add_engine(restarted)  # brought to the latest version before its first push
         assert ray.get(restarted.weight_version.remote(), timeout=30) == v
-        assert_equal_state(restarted, expected, "restarted engine after add_engine")
+        assert_oracle_state(restarted, expected, "restarted engine after add_engine")
         replay.step(trainers, 2)
         sync.push(pool.next_version())
         for e in (engines[0], engines[2], restarted):
-            assert_equal_state(e, replay.reference(), "every member after the next push")
+            assert_oracle_state(e, replay.oracle(), "every member after the next push")
     finally:
         sync.close()

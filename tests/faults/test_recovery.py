@@ -1,7 +1,7 @@
 """Recoverable after every fault, and told at once: real actors killed or failing, each case with the
 small input that once left the fleet stuck. Each test asserts the error the caller sees (type, text,
-time well before ``timeout_s``) and the engines' weights afterwards (exactly a committed version,
-bit for bit against the reference merge of the replayed adapter)."""
+time well before ``timeout_s``) and the engines' weights afterwards (exactly a committed version: PEFT's
+merge of the replayed adapter, or bit for bit the state an engine served before a failed push)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import ray
 from protocols.endpoints import EndpointDiedError, EndpointTimeoutError
 from sync_service.api import SyncConfig, SyncError, WeightSync
 from tests.faults import inject
-from tests.faults.conftest import Replay, assert_equal_state, engine_state
+from tests.faults.conftest import assert_equal_state, assert_oracle_state, engine_state
 
 pytestmark = pytest.mark.faults
 
@@ -42,7 +42,7 @@ def test_dead_engine_at_reopen_is_dropped_and_never_blocks_the_others(pool):
     dead once and can still be removed; engine_versions() answers; e0 keeps v0."""
     trainers, (e0, e1, e2) = pool.trainers(ep=2), list(pool.engines)
     _, n1, n2 = names_of([e0, e1, e2])
-    replay = Replay(pool.base, pool.adapter)
+    replay = pool.replay()
     sync = WeightSync(trainers=trainers, engines=[e0, e1, e2], config=config())
     try:
         v0 = pool.next_version()
@@ -65,7 +65,7 @@ def test_dead_engine_at_reopen_is_dropped_and_never_blocks_the_others(pool):
         assert sync.engine_versions() == {n1: v}
         sync.remove_engine(e2)  # already gone: no error
         assert versions([e0, e1]) == [v0, v]
-        assert_equal_state(e1, replay.reference(), "e1 after four pushes past a dead engine")
+        assert_oracle_state(e1, replay.oracle(), "e1 after four pushes past a dead engine")
         assert_equal_state(e0, served_v0, "the removed engine keeps serving v0")
     finally:
         sync.close()
@@ -95,7 +95,7 @@ def test_failed_or_second_weightsync_never_breaks_the_first(pool):
     """A second WeightSync on the same actors that fails to construct (timeout_s=0.001), and one that
     works and closes, leave the first one pushing; the failure is the project's error, one line."""
     trainers, engines = pool.trainers(ep=2), pool.engines[:2]
-    replay = Replay(pool.base, pool.adapter)
+    replay = pool.replay()
     first = WeightSync(trainers=trainers, engines=engines, config=config())
     try:
         first.push(pool.next_version())
@@ -120,7 +120,7 @@ def test_failed_or_second_weightsync_never_breaks_the_first(pool):
         assert all(r.committed for r in first.push(v).engines)
         assert versions(engines) == [v, v]
         for e in engines:
-            assert_equal_state(e, replay.reference(), "first WeightSync after a failed and a closed second one")
+            assert_oracle_state(e, replay.oracle(), "first WeightSync after a failed and a closed second one")
     finally:
         first.close()
         pool.replace(pool.engines[2])
@@ -131,7 +131,7 @@ def test_nan_in_one_rank_aborts_every_participant_at_once_and_the_version_is_not
     the key; nothing is applied. push(v) again (factors repaired) commits v: the failed push did not
     use up its version."""
     trainers, engines = pool.trainers(ep=2), pool.engines[:2]
-    replay = Replay(pool.base, pool.adapter)
+    replay = pool.replay()
     sync = WeightSync(trainers=trainers, engines=engines, config=config())
     try:
         v1 = pool.next_version()
@@ -159,7 +159,7 @@ def test_nan_in_one_rank_aborts_every_participant_at_once_and_the_version_is_not
         assert all(r.committed for r in sync.push(v2).engines)  # the same version again
         assert versions(engines) == [v2, v2]
         for e in engines:
-            assert_equal_state(e, replay.reference(), f"after push({v2}) retried")
+            assert_oracle_state(e, replay.oracle(), f"after push({v2}) retried")
     finally:
         sync.close()
 
@@ -168,7 +168,7 @@ def test_engine_killed_50ms_into_a_push_ends_it_at_once(pool):
     """An engine dies 50 ms into a push: the others commit the version well before timeout_s."""
     trainers, engines = pool.trainers(ep=2), list(pool.engines)
     names = names_of(engines)
-    replay = Replay(pool.base, pool.adapter)
+    replay = pool.replay()
     sync = WeightSync(trainers=trainers, engines=engines, config=config())
     try:
         sync.push(pool.next_version())
@@ -186,7 +186,7 @@ def test_engine_killed_50ms_into_a_push_ends_it_at_once(pool):
         assert not by_name[names[2]].committed and "died" in by_name[names[2]].error, by_name[names[2]]
         assert versions(engines[:2]) == [v, v]
         for e in engines[:2]:
-            assert_equal_state(e, replay.reference(), "survivor of a death 50 ms into the push")
+            assert_oracle_state(e, replay.oracle(), "survivor of a death 50 ms into the push")
     finally:
         sync.close()
         pool.replace(engines[2])

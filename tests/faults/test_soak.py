@@ -17,7 +17,7 @@ import ray
 from sync_service.api import SyncConfig, WeightSync
 from sync_service.transports.shm import SEGMENT_PREFIX, SHM_DIR
 from tests.faults import inject
-from tests.faults.conftest import Replay, assert_equal_state
+from tests.faults.conftest import assert_oracle_state
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
@@ -56,7 +56,7 @@ def test_500_syncs_bounded_memory_no_leaked_objects_or_segments(pool):
     trainers, engine = pool.trainers(ep=1), pool.engines[0]
     pids = [ray.get(a.__ray_call__.remote(inject.pid), timeout=30) for a in (trainers[0], engine)]
     shm_before = shm_segments()
-    replay = Replay(pool.base, pool.adapter)
+    replay = pool.replay()
     sync = WeightSync(trainers=trainers, engines=[engine], config=SyncConfig(transport="shm", bucket_bytes=4 << 10,
                                                                              timeout_s=30))
     t0 = time.monotonic()
@@ -72,7 +72,7 @@ def test_500_syncs_bounded_memory_no_leaked_objects_or_segments(pool):
         elapsed = time.monotonic() - t0
         growth = [rss(p) - b for p, b in zip(pids, base_rss)]
         objects = plasma_objects()
-        assert_equal_state(engine, replay.reference(), f"after {SYNCS} syncs")
+        assert_oracle_state(engine, replay.oracle(), f"after {SYNCS} syncs")
     finally:
         sync.close()
     print(f"\n{SYNCS} syncs in {elapsed:.1f} s; RSS growth trainer {growth[0] / 2**20:.1f} MiB, engine "

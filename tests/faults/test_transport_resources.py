@@ -24,7 +24,7 @@ from sync_service.api import SyncConfig, WeightSync
 from sync_service.transports import TransportSpec
 from sync_service.transports.shm import SEGMENT_PREFIX, SHM_DIR, ShmSender, segment_owner
 from tests.faults import inject
-from tests.faults.conftest import TIMEOUT_S, Replay, assert_equal_state
+from tests.faults.conftest import TIMEOUT_S, assert_equal_state, assert_oracle_state
 from tests.ray_session import ROOT
 
 ray = pytest.importorskip("ray")
@@ -77,7 +77,7 @@ def test_torch_transport_push_after_add_engine_takes_a_fresh_port(pool):
     """Adding an engine reopens the channel: the new rendezvous takes a free port of
     ``SyncConfig.port_range`` on ``bind_host`` (never a fixed one), and every push works."""
     trainers, engines = pool.trainers(ep=1), pool.engines[:2]
-    replay = Replay(pool.base, pool.adapter)
+    replay = pool.replay()
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         first = probe.getsockname()[1]
@@ -98,7 +98,7 @@ def test_torch_transport_push_after_add_engine_takes_a_fresh_port(pool):
             assert time.monotonic() - t0 < TIMEOUT_S and all(e.committed for e in metrics.engines), metrics
             assert sync.engine_versions() == {n: v for n in sync.engine_versions()}
             for e in engines:
-                assert_equal_state(e, replay.reference(), f"after push({v}) with the joined engine")
+                assert_oracle_state(e, replay.oracle(), f"after push({v}) with the joined engine")
         assert len(listening_ports() - before) == 1, "the old channel's rendezvous must be closed"
     finally:
         sync.close()
@@ -142,7 +142,7 @@ def test_torch_store_refuses_a_foreign_client_pushes_unaffected(pool):
     guessed key, raw bytes): it is disconnected before it can list or write anything, and the pushes
     around it commit, each before the timeout."""
     trainers, engine = pool.trainers(ep=1), pool.engines[0]
-    replay = Replay(pool.base, pool.adapter)
+    replay = pool.replay()
     before = listening_ports()
     sync = WeightSync(trainers=trainers, engines=[engine], config=SyncConfig(
         transport="torch", bucket_bytes=BUCKET_BYTES, timeout_s=TIMEOUT_S))
@@ -162,7 +162,7 @@ def test_torch_store_refuses_a_foreign_client_pushes_unaffected(pool):
             sync.push(v)
             assert time.monotonic() - t0 < TIMEOUT_S
             assert ray.get(engine.weight_version.remote(), timeout=30) == v
-        assert_equal_state(engine, replay.reference(), "after pushes next to a foreign client")
+        assert_oracle_state(engine, replay.oracle(), "after pushes next to a foreign client")
     finally:
         sync.close()
 
@@ -274,6 +274,6 @@ def test_trainer_group_rendezvous_binds_its_own_address(pool):
         t0 = time.monotonic()
         sync.push(v)
         assert time.monotonic() - t0 < TIMEOUT_S
-        assert_equal_state(pool.engines[0], Replay(pool.base, pool.adapter).reference(), f"push({v}) over 2 ranks")
+        assert_oracle_state(pool.engines[0], pool.replay().oracle(), f"push({v}) over 2 ranks")
     finally:
         sync.close()

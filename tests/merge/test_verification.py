@@ -12,19 +12,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from peft import PeftConfig
 from safetensors.torch import load_file
 
-from sync_service.local import reference_state
+from sync_service.local import AdapterReplay
 from sync_service.merge.peft_oracle import compare_state, peft_merged_state, values_match
 from sync_service.synthetic import make_adapter, make_base
+from tests.oracle import our_merge
 
 Q = "model.layers.0.self_attn.q_proj.weight"
 
 
 def _ours(base, adapter):
-    """weightsync's merge (``MergedSource`` over the whole base) of an adapter directory."""
-    return reference_state(base, PeftConfig.from_pretrained(str(adapter)), load_file(str(adapter / "adapter_model.safetensors")))
+    """weightsync's merge (``MergedSource`` over the whole base) of an adapter directory: the thing verified."""
+    return our_merge(base, AdapterReplay(adapter))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -81,7 +81,6 @@ def test_sync_verified_against_peft_and_untying_adapter_refused(ray_local, tmp_p
 
     from sync_service.api import SyncConfig, WeightSync
     from actors.launch import start_engines, start_trainers
-    from sync_service.local import AdapterReplay
     from sync_service.sync_cli import RunConfig, verify_version
 
     base = make_base("qwen3_moe", tmp_path / "base", num_experts=4)
