@@ -32,7 +32,7 @@ from sync_service import defaults
 from sync_service.coordinator import Coordinator, PlanMismatchError
 from sync_service.coordinator.join import JoinMetrics
 from sync_service.coordinator.metrics import EngineResult, SyncError, SyncMetrics
-from sync_service.transports.spec import TRANSPORTS
+from sync_service.transports.spec import RELAYS, TRANSPORTS
 from sync_service.factor_stream.choose import FactorPolicy
 from sync_service.factor_stream.coordination import FactorCoordination
 
@@ -48,6 +48,10 @@ class SyncConfig:
     """Bucket payload size, bytes (multiple of 64); larger tensors are cut into boxes along dim 0."""
     transport: str = defaults.TRANSPORT
     """``"shm"`` (same host shared memory), ``"ray"`` (object store), ``"torch"`` (torch.distributed)."""
+    relay: str = "auto"
+    """Fan-out (``TransportSpec.relay``): ``"chain"`` (``"ray"`` only): each bucket goes once, to the first
+    engine, and each engine relays it to the next while it applies; ``"direct"``: every engine takes it
+    from the trainers; ``"auto"``: chain when the engines sit on >= 2 Ray nodes that host no trainer."""
     timeout_s: float = defaults.TIMEOUT_S
     """Bound of every blocking step of a push (connect, send, receive, commit), seconds."""
     check_finite: bool = False
@@ -99,6 +103,8 @@ class SyncConfig:
                 raise ValueError(f"SyncConfig.{name}={_short_repr(value)} must be {allowed}, got {type(value).__name__}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"SyncConfig.transport={self.transport!r}; use one of {sorted(TRANSPORTS)}")
+        if self.relay not in RELAYS or self.relay == "chain" and not TRANSPORTS[self.transport].relays:
+            raise ValueError(f"SyncConfig.relay={self.relay!r}; use one of {RELAYS} ('chain' needs transport='ray')")
         if self.bucket_bytes <= 0 or self.bucket_bytes % 64:
             raise ValueError(f"SyncConfig.bucket_bytes={self.bucket_bytes} must be a positive multiple of 64")
         if self.bucket_bytes > MAX_BUCKET_BYTES:
@@ -130,12 +136,10 @@ buffered per trainer in RAM or /dev/shm; beyond this a bucket only costs memory)
 # field → allowed kinds (``None`` allows None); bool is never accepted for int fields. ``secret``
 # is checked by ``check_secret`` (its value is never printed).
 _FIELD_TYPES: dict[str, tuple] = {
-    "bucket_bytes": (int,), "transport": (str,), "timeout_s": (int, float), "check_finite": (bool,),
-    "accumulate_dtype": (str,), "delta": (bool,), "max_in_flight": (int,), "max_staleness": (int,),
-    "mode": (str,), "factor_memory_bytes": (int, None), "experts_per_recipe": (int,),
-    "metrics_port": (int, None), "metrics_host": (str,),
-    "bind_host": (str,), "port_range": (tuple, None),
-}
+    "bucket_bytes": (int,), "transport": (str,), "relay": (str,), "timeout_s": (int, float),
+    "check_finite": (bool,), "accumulate_dtype": (str,), "delta": (bool,), "max_in_flight": (int,),
+    "max_staleness": (int,), "mode": (str,), "factor_memory_bytes": (int, None), "experts_per_recipe": (int,),
+    "metrics_port": (int, None), "metrics_host": (str,), "bind_host": (str,), "port_range": (tuple, None)}
 
 
 def _check_listen(bind_host: str, port_range: tuple[int, int] | None) -> None:

@@ -9,7 +9,8 @@ engine host 0, then
      ``cfg.link_transport`` bound to the driver's address;
   2. ``factors``, ``auto``: the same with ``mode="factors"`` / ``"auto"`` (a fresh ``WeightSync`` each:
      its first full sync carries the pristine base);
-  3. ``delta_fanout2``: a second engine on engine host 1, merged delta syncs to both;
+  3. ``delta_fanout2``: a second engine on engine host 1, merged delta syncs to both (``relay="auto"``:
+     engine 0 relays every bucket to engine 1); ``delta_fanout2_direct``: the same with ``relay="direct"``;
   4. ``floor``: the delta's payload bytes over a plain TCP socket, trainers' host -> engine host 0;
   5. ``gather`` and ``disk`` (``bench.baselines``), the disk checkpoint copied over TCP (``bench.sock``).
 
@@ -97,6 +98,8 @@ def _ours(model: BenchModel, cfg: BenchConfig, size: int, site: LinkSite, rows: 
             engines += launcher.start_engines(model.base_dir, 1, timeout_s=cfg.timeout_s, prefix="fanout",
                                               actor_options=placement.engines(1, first=1))
             rows.extend(runs.rows({"delta_fanout2": True}, engines))
+            say(f"  {size}x delta (2 engines on 2 hosts, each from the trainers)")
+            rows.extend(runs.rows({"delta_fanout2_direct": {"relay": "direct"}}, engines))
     finally:
         for actor in [*trainers, *engines]:
             ray.kill(actor)

@@ -43,7 +43,7 @@ class Channel:
         timeout = self._config.timeout_s
         spec = TransportSpec(kind=TRANSPORTS[self._config.transport].push, name=f"ws{self.owner}e{self.epoch}",
                              num_senders=len(trainers), num_receivers=len(engines), bucket_bytes=self._bucket_bytes,
-                             connect_timeout_s=timeout, op_timeout_s=timeout)
+                             connect_timeout_s=timeout, op_timeout_s=timeout, relay=self._config.relay)
         self._close_host()
         self._host = host_channel(spec, bind_host=self._config.bind_host, port_range=self._config.port_range)
         raw = self._host.spec.to_bytes()

@@ -17,6 +17,17 @@ Mailboxes are small async actors named ``<name>-rx<receiver>`` (frames, depth ``
 flow control) and ``<name>-tx<sender>`` (replies), in namespace ``weightsync``. Each side creates
 its own inbox on its own node, so an inbox dies with its process (Ray fate-sharing) and the peer sees an actor
 error instead of hanging. Needs ``ray.init`` (or a Ray worker) in both processes.
+
+Relay (``spec.relay``, resolved once per side from the node of every mailbox): in a chain the
+senders put each frame into receiver 0's mailbox only; receiver k, as soon as it holds a frame's
+payload (before applying it), puts a copy into its own node's object store (so the bytes live, and
+are owned, there) and hands ``(header, ref)`` to the relay queue of its own mailbox, where receiver
+k + 1 takes it. So the trainers' link carries each byte once and every further hop runs between
+engine nodes, pipelined per frame; every receiver still verifies what it got. The relay queue is
+unbounded and on the relaying side's own node: a relaying side never waits for the next one (a cut
+or dead downstream fails alone, by its own timeout); what a dead downstream leaves queued is freed
+when the channel closes. A dead relaying side fails the sides after it at once (its mailbox and its
+objects die with it: ``PeerLostError`` naming it); an unreachable one within ``_POLL_S`` + 5 s.
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from dataclasses import dataclass
 
 import ray
 from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError
@@ -40,26 +52,32 @@ Ray's own inlining threshold, ``max_direct_call_object_size`` = 100 KiB, with ro
 
 @ray.remote(num_cpus=0, max_concurrency=64)
 class Mailbox:
-    """An asyncio queue in an actor: ``put`` / ``get`` with timeouts (seconds)."""
+    """Asyncio queues in an actor: ``put`` / ``get`` with timeouts (seconds). Queue 0 (depth
+    ``maxsize``, 0: unbounded) takes the frames for its owner; queue 1 (unbounded) the frames its
+    owner relays to the next receiver of a chain."""
 
     def __init__(self, maxsize: int):
-        self.q: asyncio.Queue = asyncio.Queue(maxsize)
+        self.queues = (asyncio.Queue(maxsize), asyncio.Queue())
 
-    async def put(self, item, timeout_s: float) -> bool:
+    async def put(self, item, timeout_s: float, queue: int = 0) -> bool:
         try:
-            await asyncio.wait_for(self.q.put(item), timeout_s)
+            await asyncio.wait_for(self.queues[queue].put(item), timeout_s)
             return True
         except asyncio.TimeoutError:
             return False
 
-    async def get(self, timeout_s: float):
+    async def get(self, timeout_s: float, queue: int = 0):
         try:
-            return await asyncio.wait_for(self.q.get(), timeout_s)
+            return await asyncio.wait_for(self.queues[queue].get(), timeout_s)
         except asyncio.TimeoutError:
             return None
 
     async def ping(self) -> bool:
         return True
+
+    async def node(self) -> str:
+        """The Ray node id this mailbox (and so its owner) runs on."""
+        return ray.get_runtime_context().get_node_id()
 
 
 def _own_inbox(name: str, maxsize: int):
@@ -92,6 +110,41 @@ def _get(ref, timeout_s: float, what: str):
         raise PeerLostError(f"{what}: peer gone ({type(exc).__name__})") from None
 
 
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Every side's mailbox of one channel, and whether frames go down a chain."""
+
+    senders: list
+    """The senders' reply mailboxes (``<name>-tx<s>``), in sender order."""
+    receivers: list
+    """The receivers' mailboxes (``<name>-rx<r>``), in receiver order (the chain's order)."""
+    chain: bool
+    """Senders → receiver 0 → receiver 1 → …; ``False``: senders → every receiver."""
+
+
+def resolve_route(spec: TransportSpec, timeout_s: float) -> Route:
+    """Look up every mailbox of ``spec``'s channel (each waits up to ``timeout_s`` to appear) and
+    resolve ``spec.relay``: ``"auto"`` chains when the receivers' mailboxes sit on >= 2 Ray nodes
+    that host no sender's. Every side resolves the same route from the same nodes.
+
+    Raises: TimeoutError: a mailbox did not appear. PeerLostError: one died meanwhile.
+    """
+    senders = [_lookup(f"{spec.name}-tx{s}", timeout_s) for s in range(spec.num_senders)]
+    receivers = [_lookup(f"{spec.name}-rx{r}", timeout_s) for r in range(spec.num_receivers)]
+    chain = spec.num_receivers > 1 and spec.relay == "chain"
+    if spec.num_receivers > 1 and spec.relay == "auto":
+        nodes = _get([mb.node.remote() for mb in senders + receivers], timeout_s, "Ray mailbox node")
+        chain = len(set(nodes[len(senders):]) - set(nodes[:len(senders)])) >= 2
+    return Route(senders=senders, receivers=receivers, chain=chain)
+
+
+def _relayed(body):
+    """What a relaying receiver hands on for a payload it holds: a fresh object in its own node's
+    store (one copy; the next receiver pulls it from here), or the payload itself when it travels
+    inline (``INLINE_BYTES``)."""
+    return ray.put(body) if body is not None and len(body) > INLINE_BYTES else body
+
+
 class RaySender:
     """Sender side: fans each bucket's one ObjectRef out to every receiver's mailbox."""
 
@@ -106,13 +159,19 @@ class RaySender:
         return self.spec.num_receivers
 
     def _peers(self) -> list:
+        """The mailboxes a frame goes to: every receiver's, or in a chain receiver 0's only."""
         if self._receivers is None:
-            self._receivers = [_lookup(f"{self.spec.name}-rx{r}", self.spec.connect_timeout_s)
-                               for r in range(self.spec.num_receivers)]
+            if self.spec.num_receivers > 1 and self.spec.relay != "direct":
+                route = resolve_route(self.spec, self.spec.connect_timeout_s)
+                self._receivers = route.receivers[:1] if route.chain else route.receivers
+            else:
+                self._receivers = [_lookup(f"{self.spec.name}-rx{r}", self.spec.connect_timeout_s)
+                                   for r in range(self.spec.num_receivers)]
         return self._receivers
 
     def send(self, header: bytes, payload, timeout_s: float) -> None:
-        """Blocks until every receiver's mailbox took the frame; ``payload`` may be reused then."""
+        """Blocks until every receiver's mailbox (in a chain: receiver 0's) took the frame; ``payload``
+        may be reused then."""
         if payload is None or len(payload) <= INLINE_BYTES:
             body = payload  # copied into each call's arguments at submission
         else:
@@ -136,13 +195,15 @@ class RaySender:
 
 
 class RayReceiver:
-    """Receiver side: zero-copy reads of the fanned-out objects."""
+    """Receiver side: zero-copy reads of the fanned-out objects; in a chain, relays each frame on."""
 
     def __init__(self, spec: TransportSpec, receiver: int = 0):
         self.spec, self.receiver = spec, receiver
         self.inbox = _own_inbox(f"{spec.name}-rx{receiver}", spec.slots)
         ray.get(self.inbox.ping.remote(), timeout=spec.connect_timeout_s)
         self._senders: list | None = None
+        self._source: tuple | None = None  # (mailbox, queue) frames come from; None: this inbox, once resolved
+        self._relay = False  # whether this side hands every frame on to the next receiver
         self._held: deque = deque()  # payload arrays of frames not yet released, oldest first
 
     @property
@@ -156,15 +217,30 @@ class RayReceiver:
                              for s in range(self.spec.num_senders)]
         return self._senders
 
+    def _resolve(self, timeout_s: float) -> tuple:
+        """Where frames come from: (mailbox, queue, who). Resolves the route on first use (it needs
+        every side's mailbox: a relay decision only when several receivers may chain)."""
+        if self._source is None:
+            self._source = (self.inbox, 0, None)
+            if self.spec.num_receivers > 1 and self.spec.relay != "direct":
+                route = resolve_route(self.spec, timeout_s)
+                self._senders = route.senders
+                self._relay = route.chain and self.receiver + 1 < self.spec.num_receivers
+                if route.chain and self.receiver > 0:
+                    self._source = (route.receivers[self.receiver - 1], 1, f"receiver {self.receiver - 1}")
+        return self._source
+
     def recv(self, timeout_s: float):
         if len(self._held) >= self.max_held:
             self.release()
         end = time.monotonic() + timeout_s
+        source, queue, relay = self._resolve(min(timeout_s, self.spec.connect_timeout_s))
         while True:
             left = end - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"Ray transport {self.spec.name}: no frame within {timeout_s:.1f}s")
-            item = _get(self.inbox.get.remote(min(left, _POLL_S)), min(left, _POLL_S) + 5.0, "Ray inbox")
+                via = "" if relay is None else f" from {relay}, which relays every frame to this one"
+                raise TimeoutError(f"Ray transport {self.spec.name}: no frame within {timeout_s:.1f}s{via}")
+            item = self._take(source, queue, relay, min(left, _POLL_S))
             if item is not None:
                 break
             if self._senders is not None:  # known once a frame came: check they still live
@@ -173,9 +249,32 @@ class RayReceiver:
         header, body = item
         del item
         if isinstance(body, ray.ObjectRef):
-            body = _get(body, max(end - time.monotonic(), 1.0), "Ray object get")  # zero copy: pins the object
+            body = self._pull(body, relay, max(end - time.monotonic(), 1.0))  # zero copy: pins the object
+        if self._relay:
+            _get(self.inbox.put.remote((header, _relayed(body)), 1.0, 1), max(end - time.monotonic(), 5.0),
+                 "Ray relay mailbox")
         self._held.append(body)
         return header, body
+
+    def _take(self, source, queue: int, relay: str | None, wait_s: float):
+        """The next frame of ``source``'s ``queue`` or ``None`` after ``wait_s``."""
+        try:
+            return _get(source.get.remote(wait_s, queue), wait_s + 5.0, "Ray inbox")
+        except (PeerLostError, TimeoutError) as exc:
+            if relay is None:
+                raise
+            raise PeerLostError(f"Ray transport {self.spec.name}: {relay}, which relays every frame to receiver "
+                                f"{self.receiver}, is gone or unreachable ({exc}); SyncConfig.relay='direct' has "
+                                "every engine take the frames from the trainers") from None
+
+    def _pull(self, ref, relay: str | None, timeout_s: float):
+        try:
+            return _get(ref, timeout_s, "Ray object get")
+        except PeerLostError as exc:
+            if relay is None:
+                raise
+            raise PeerLostError(f"Ray transport {self.spec.name}: {relay}, which relays every frame to receiver "
+                                f"{self.receiver}, died before this one pulled a frame ({exc})") from None
 
     def release(self) -> None:
         """Drops the oldest held frame's object: out of scope once every receiver released it

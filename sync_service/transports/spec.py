@@ -31,14 +31,19 @@ class TransportChoice:
     channel; the object store reaches any host without one)."""
     max_senders: int | None = None
     """Trainer shards one push channel carries (``TransportSpec.num_senders``); ``None``: any number."""
+    relays: bool = False
+    """Whether the push kind relays frames receiver to receiver (``TransportSpec.relay="chain"``)."""
 
 
 TRANSPORTS: dict[str, TransportChoice] = {
     "shm": TransportChoice(push="shm", join="shm"),
-    "ray": TransportChoice(push="ray", join="ray"),
+    "ray": TransportChoice(push="ray", join="ray", relays=True),
     "torch": TransportChoice(push="torch_dist", join="ray", max_senders=1),
 }
 """``SyncConfig.transport`` (and the CLIs' ``--transport``) → the spec kinds it uses."""
+
+RELAYS = ("auto", "direct", "chain")
+"""``TransportSpec.relay`` / ``SyncConfig.relay`` values."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -72,6 +77,13 @@ class TransportSpec:
     """``torch_dist``: ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors)."""
     op_timeout_s: float = 60.0
     """``torch_dist``: timeout of one collective, seconds (a dead peer fails within it)."""
+    relay: str = "auto"
+    """How every frame reaches several receivers. ``"direct"``: each receiver takes it from the senders
+    (over a shared link, once per receiver). ``"chain"``: the senders hand it to receiver 0 only, and
+    receiver k relays it to receiver k + 1 as soon as it has it (the senders' link carries each byte
+    once; each hop adds about one bucket of latency). ``"auto"``: chain when the receivers sit on >= 2
+    nodes that host no sender, else direct. Only ``ray`` relays (``TransportChoice.relays``); the other
+    kinds send directly whatever this says."""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -85,6 +97,8 @@ class TransportSpec:
             raise ValueError(f"TransportSpec.port={self.port!r} must be an int in [0, 65535]")
         if not isinstance(self.auth_key, bytes) or len(self.auth_key) < 16:
             raise ValueError("TransportSpec.auth_key must be bytes of >= 16 (default: a fresh random key)")
+        if self.relay not in RELAYS:
+            raise ValueError(f"TransportSpec.relay={self.relay!r}; use one of {RELAYS}")
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"TransportSpec.backend={self.backend!r}; use 'gloo' or 'nccl'")
 

@@ -271,3 +271,61 @@ def _settled_objects(base: int, timeout_s: float = 60.0) -> int:
     while (left := plasma_objects()) > base and time.monotonic() < end:
         time.sleep(0.2)
     return left
+
+
+def test_ray_chain_relays_every_frame_to_the_next_engine(engines):
+    """``relay="chain"``: the sender hands each frame to receiver 0 only, which relays it (objects
+    re-put on its side, inline frames as they are); both engines end bitwise equal to the source,
+    full sync then delta."""
+    from sync_service.transports.ray_store import INLINE_BYTES
+
+    specs = [("big", "float32", [INLINE_BYTES // 4 + 16], False), *BASE]
+    bucket = 2 * INLINE_BYTES
+    spec = TransportSpec(kind="ray", name="r" + uuid.uuid4().hex[:10], num_receivers=2, bucket_bytes=bucket,
+                         connect_timeout_s=30.0, op_timeout_s=30.0, relay="chain")
+    ch = Channel(spec, engines)
+    try:
+        src = TensorSource(make_tensors(specs, 1))
+        plan = build_plan(src.param_metas(), bucket_bytes=bucket)
+        ray.get([p.load.remote(encode(plan), specs, 0) for p in engines], timeout=30)
+        sender = Sender(ch.txs[0], BucketPool(bucket_bytes=bucket))
+        for version, names in ((1, None), (2, {"big", "scalar"})):
+            futures = [p.receive.remote(30.0) for p in engines]
+            src = TensorSource(make_tensors(specs, 1 + version)) if names else src
+            sender.send_sync(f"r{version}", version, src, plan, names=names, timeout_s=30)
+            results = ray.get(futures, timeout=60)
+            assert all(r["ok"] for r in results), results
+        want = dict(make_tensors(specs, 1), big=src.tensors["big"], scalar=src.tensors["scalar"])
+        for p in engines:
+            assert_state(p, want, 2)
+    finally:
+        ch.close()
+
+
+def test_ray_chain_relay_dies_the_next_engine_fails_naming_it(ray_cluster, engines):
+    """The relaying engine (receiver 0) is killed mid-sync: the engine after it fails within seconds,
+    naming it, not after its timeout; the sender fails within its own timeout."""
+    victim = EnginePeer.remote()
+    ray.get(victim.pid.remote(), timeout=300)
+    ch = Channel(make_spec("ray", num_receivers=2, relay="chain"), [victim, engines[0]])
+    try:
+        load(ch, MANY, 0)
+        victim.receive.remote(30.0)
+        future = engines[0].receive.remote(30.0)
+        src = TensorSource(make_tensors(MANY, 1))
+        killer = threading.Timer(1.0, lambda: ray.kill(victim))
+        killer.start()
+        with pytest.raises((PeerLostError, TimeoutError, RemoteSyncError)):
+            Sender(ch.txs[0], BucketPool(bucket_bytes=BUCKET_BYTES)).send_sync(
+                "k", 1, SlowSource(src.tensors, 0.05), build_plan(src.param_metas(), bucket_bytes=BUCKET_BYTES),
+                timeout_s=20.0)
+        res = ray.get(future, timeout=40)
+        assert not res["ok"] and res["type"] == "PeerLostError", res
+        assert "receiver 0, which relays every frame to receiver 1" in res["text"], res
+        assert res["s"] < 15.0, res
+        assert ray.get(engines[0].state.remote(), timeout=30)[0] is None
+    finally:
+        for tx in ch.txs:
+            tx.close()
+        ray.get(engines[0].close.remote(), timeout=30)
+        ch.host.close()

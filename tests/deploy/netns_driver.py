@@ -4,7 +4,8 @@ cluster across the namespace hosts, and writes what it saw as JSON (the test ass
     python -m tests.deploy.netns_driver ARGS.json OUT.json
 
 ARGS: ``address`` (Ray), ``hosts`` (``dataclasses.asdict`` of each ``Host``, trainers' first),
-``base``, ``adapter``, ``timeout_s``, ``cut_timeout_s``, ``work`` (a directory for gate files and
+``base``, ``adapter``, ``wide_base``, ``wide_adapter`` (~8 MB: the fan-out's bytes dwarf Ray's own
+traffic), ``timeout_s``, ``cut_timeout_s``, ``work`` (a directory for gate files and
 oracle adapters). Every engine check compares with PEFT's ``merge_and_unload`` (float64, cast once).
 """
 
@@ -59,13 +60,13 @@ class Run:
         (replay or self.replay).step(self.version)
         return self.version
 
-    def check(self, engines, replay=None) -> list[dict]:
+    def check(self, engines, replay=None, base=None) -> list[dict]:
         """Per engine: its version, whether it equals PEFT's merge of the replay's adapter, whether it
         is bitwise merged mode's result (``reference_state``: the trainers' merge of the whole base)."""
-        replay = replay or self.replay
+        replay, base = replay or self.replay, base or self.base
         with tempfile.TemporaryDirectory(dir=self.work) as tmp:
-            oracle = peft_merged_state(self.base, replay.save(Path(tmp) / "adapter"))
-        ours = {n: t.float().numpy() for n, t in reference_state(self.base, replay.peft_config, replay.state).items()}
+            oracle = peft_merged_state(base, replay.save(Path(tmp) / "adapter"))
+        ours = {n: t.float().numpy() for n, t in reference_state(base, replay.peft_config, replay.state).items()}
         out = []
         for engine in engines:
             state = ray.get(engine.state.remote(), timeout=self.timeout_s)
@@ -150,6 +151,54 @@ def torch_transport(run: Run) -> dict:
     return {"rows": rows, "opened": opened}
 
 
+def fan_out(run: Run) -> dict:
+    """The wider model's full sync to an engine on each engine host, ``relay="auto"`` (a chain here)
+    then ``"direct"``, the trainers' uplink tx counted around each; then, in the chain, a push whose
+    relaying engine (the first) is killed mid-push: the push names it and the other engine commits."""
+    from sync_service.bench.wire import WireMeter
+
+    base, replay, meter = run.args["wide_base"], AdapterReplay(run.args["wide_adapter"]), WireMeter(run.trainer_host)
+    trainers = start_trainers(base, run.args["wide_adapter"], ep=1, timeout_s=run.timeout_s,
+                              actor_options={"num_cpus": 0, "resources": {"trainer": 1}})
+    engines = start_engines(base, 2, engine="memory", timeout_s=run.timeout_s, prefix="wide", actor_options=[
+        {"num_cpus": 0, "resources": {f"host_{h.name}": 1}} for h in run.engine_hosts])
+    out: dict = {"rows": []}
+    try:
+        for relay in ("direct", "auto"):
+            sync = WeightSync(trainers=trainers, engines=engines, config=run.config(relay=relay, bucket_bytes=1 << 20))
+            try:
+                version = run.step(trainers, replay)
+                meter.start()
+                m = sync.push(version)
+                wire = meter.stop()
+                out["rows"].append({**metrics_row(m), "relay": relay, "uplink_tx": wire.uplink_tx,
+                                    "checks": run.check(engines, replay, base)})
+                if relay == "auto":
+                    out["relay_killed"] = relay_killed(run, sync, trainers, engines, replay)
+            finally:
+                sync.close()
+    finally:
+        for actor in [*trainers, *engines]:
+            ray.kill(actor)
+    return out
+
+
+def relay_killed(run: Run, sync, trainers, engines, replay) -> dict:
+    """A push held at the trainers' fill; the relaying engine killed; the gate opened."""
+    gate = run.work / "relay-gate"
+    gate.mkdir()
+    ray.get([t.__ray_call__.remote(inject.gate_fill, str(gate)) for t in trainers], timeout=run.timeout_s)
+    version = run.step(trainers, replay)
+    handle = sync.push_async(version)
+    until(lambda: (gate / "reached").exists(), run.timeout_s, "a trainer's fill at the gate")
+    ray.kill(engines[0])
+    t0 = time.monotonic()
+    (gate / "open").touch()
+    m = handle.result(run.timeout_s * 4)
+    return {**metrics_row(m), "seconds": time.monotonic() - t0,
+            "checks": run.check(engines[1:], replay, run.args["wide_base"])}
+
+
 def link_cut(run: Run, done) -> None:
     """A full sync to both engines; then a push held by a gate in the trainers' fill until the cut:
     the last engine host's link goes down mid-push, the gate opens; the push's outcome is recorded.
@@ -203,6 +252,7 @@ def main(args_path: str, out_path: str) -> None:
         run = Run(args)
         done("actors", placed={"trainers": ray.get([t.__ray_call__.remote(inject.node_ip) for t in run.trainers]),
                                "engines": ray.get([e.__ray_call__.remote(inject.node_ip) for e in run.engines])})
+        done("fan_out", fan_out=fan_out(run))
         done("modes", modes=modes(run))
         done("torch", torch=torch_transport(run))
         try:
