@@ -34,7 +34,9 @@ also bounds the reopen for the survivor, which starts new mailbox actors (proces
 HOSTS = HostsConfig(hosts=("trainers", "engines0", "engines1"), uplink_rate="1gbit", timeout_s=60)
 RAY = RayHostsConfig(resources={"trainers": {"trainer": 4}, "engines0": {"host_engines0": 2},
                                 "engines1": {"host_engines1": 2}},
-                     env={"RAY_health_check_failure_threshold": "100"})  # a cut of minutes is not a node death
+                     # a cut of minutes is not a node death; the host's memory is shared with other jobs, whose
+                     # use must not get our workers killed by Ray's memory monitor (the kernel's still guards)
+                     env={"RAY_health_check_failure_threshold": "100", "RAY_memory_monitor_refresh_ms": "0"})
 
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,9 @@ from sync_service.synthetic import make_base
     ({"metrics_host": None}, "metrics_host=None must be str"),
     ({"transport": 3}, "transport=3 must be str"),
     ({"transport": "udp"}, "transport='udp'"),
+    ({"relay": "ring"}, "relay='ring'; use one of \\('auto', 'direct', 'chain'\\)"),
+    ({"relay": "chain", "transport": "torch"}, "relay='chain'.*'chain' needs transport='ray'"),
+    ({"relay": None}, "relay=None must be str"),
     ({"mode": ["merged"]}, "mode=\\['merged'\\] must be str"),
 ])
 def test_sync_config_rejects_bad_fields(kwargs, match):
