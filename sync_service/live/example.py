@@ -78,9 +78,11 @@ class ExampleTrainingRank:
         return "127.0.0.1", free_port()
 
     def setup(self, host: str, port: int, base_dir: str, mode: str, *, lora_r: int = 2, shard_dim: int = 0,
-              restore: dict[str, np.ndarray] | None = None, dtype: str = "float32", **attach_kw):
+              mesh_shape: tuple[int, ...] | None = None, restore: dict[str, np.ndarray] | None = None,
+              dtype: str = "float32", **attach_kw):
         """Join the training group, build and wrap the model, make the optimizer; attach weightsync.
-        ``lora_r`` / ``shard_dim`` (FSDP2 placement dim) let a test give ranks bad or differing models;
+        ``lora_r`` / ``shard_dim`` (FSDP2 placement dim) / ``mesh_shape`` (FSDP2 mesh, default ``(world,)``;
+        2-D: HSDP) let a test give ranks bad or differing models;
         ``restore``: the whole adapter of a checkpoint (``adapter_state``) to resume from (not under EP);
         ``dtype``: the torch dtype name the base is loaded in (the engines' dtype)."""
         import torch.distributed as dist
@@ -103,7 +105,7 @@ class ExampleTrainingRank:
             from peft import set_peft_model_state_dict
 
             set_peft_model_state_dict(self.peft, {k: torch.from_numpy(v.copy()) for k, v in restore.items()})
-        self.model = self._wrap(mode, shard_dim)
+        self.model = self._wrap(mode, shard_dim, mesh_shape or (self.world,))
         self.opt = torch.optim.AdamW([p for p in self.peft.parameters() if p.requires_grad], lr=2e-2)
         kw = dict(attach_kw)
         if mode == "ep" and "expert_range" not in kw:
@@ -111,13 +113,14 @@ class ExampleTrainingRank:
             kw["expert_range"] = (self.rank * e_local, (self.rank + 1) * e_local)
         return attach_trainer(self.model, before_send=self._gate, **kw)
 
-    def _wrap(self, mode: str, shard_dim: int):
+    def _wrap(self, mode: str, shard_dim: int, mesh_shape: tuple[int, ...]):
         if mode == "fsdp2":
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
             from torch.distributed.tensor import Shard
 
-            mesh = init_device_mesh("cpu", (self.world,))
+            names = ("replicate", "shard") if len(mesh_shape) == 2 else None  # HSDP's mesh dims
+            mesh = init_device_mesh("cpu", tuple(mesh_shape), mesh_dim_names=names)
             place = None if shard_dim == 0 else (lambda p: Shard(shard_dim) if p.dim() > shard_dim else Shard(0))
             for layer in self.peft.base_model.model.model.layers:
                 fully_shard(layer, mesh=mesh, shard_placement_fn=place)

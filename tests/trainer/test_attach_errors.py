@@ -101,6 +101,8 @@ def _errors(ranks, base_dir, mode: str, per_rank) -> list[str]:
 
 @pytest.mark.parametrize("case,mode,per_rank,expected", [
     ("Shard(1)", "fsdp2", lambda k: {"shard_dim": 1}, r"placed \(Shard\(dim=1\),\).*fully_shard"),
+    ("2-D mesh (HSDP)", "fsdp2", lambda k: {"mesh_shape": (1, 2)},
+     r"placed \(Replicate\(\), Shard\(dim=0\)\) on a 2-D mesh; the endpoint reads \(Shard\(0\),\) on a 1-D mesh"),
     ("ranks differ", "ep", lambda k: {"lora_r": 2 + 2 * k}, r"the ranks' models differ"),
     ("expert ranges overlap", "ep", lambda k: {"expert_range": (0, 2)}, r"equal contiguous blocks in rank order"),
 ])

@@ -89,9 +89,17 @@ def test_step_during_a_held_send_leaves_the_snapshot(bases, engines, ranks, tmp_
         sync.close()
 
 
+def _adapter_from_dcp(path) -> dict:
+    """The adapter of an FSDP2 trainer's DCP checkpoint, PEFT keys → numpy (the model's names minus the adapter name)."""
+    from sync_service.merge.dcp import read_dcp_state
+
+    return {k.replace(".default.", "."): v.numpy() for k, v in read_dcp_state(path).items() if ".lora_" in k}
+
+
 def test_restored_trainer_reattaches_and_continues_the_versions(bases, engines, tmp_path):
-    """Kill both training ranks, restore new ones from the adapter checkpoint, attach again and build a
-    new WeightSync over the same engines: the next push (version after the engines') is exact."""
+    """Both training ranks save their FSDP2 checkpoint (``dcp.save``) and are killed; the engines keep serving
+    the last commit; new ranks restored from that checkpoint attach again and a new WeightSync over the same
+    engines continues the versions: the next push is exact."""
     from sync_service.api import SyncConfig, WeightSync
     from tests.trainer.harness import TrainingRank
 
@@ -101,9 +109,15 @@ def test_restored_trainer_reattaches_and_continues_the_versions(bases, engines, 
                       config=SyncConfig(**CONFIG_KW))
     ray.get([r.train_step.remote() for r in ranks], timeout=120)
     sync.push(40)
-    checkpoint = ray.get([r.adapter_state.remote() for r in ranks], timeout=120)[0]
+    trained = adapter_of(ranks)
+    ray.get([r.save_checkpoint.remote(str(tmp_path / "ckpt")) for r in ranks], timeout=120)
     for r in ranks:
         ray.kill(r)
+    checkpoint = _adapter_from_dcp(tmp_path / "ckpt")
+    assert sorted(checkpoint) == sorted(trained) and not differs({k: torch.from_numpy(v) for k, v in checkpoint.items()},
+                                                                 trained)
+    for engine in engines[family]:  # still serving the last committed version without a trainer
+        assert ray.get(engine.generate.remote([5, 9, 14], 2), timeout=120)[1] == 40
     restored = [TrainingRank.remote(k, 2) for k in range(2)]
     try:
         handles = setup_ranks(restored, bases[family], "fsdp2", restore=checkpoint)
@@ -113,6 +127,7 @@ def test_restored_trainer_reattaches_and_continues_the_versions(bases, engines, 
         metrics = resumed.push(max(resumed.engine_versions().values()) + 1)
         assert metrics.full and all(e.committed for e in metrics.engines)
         adapter = adapter_of(restored)
+        assert differs(adapter, trained), "the restored ranks' step changed no factor"
         assert_engines_hold(engines[family], peft_merged(bases[family], adapter, tmp_path / "resumed"), what="resumed")
         assert set(resumed.engine_versions().values()) == {41}
         resumed.close()
