@@ -50,10 +50,11 @@ class PolicyTrainerCore(TrainerShardCore):
         return h.hexdigest()
 
     def _keep_local_slice(self) -> None:
+        from sync_service.live.checkpoint import set_factors
         from sync_service.sharding.ep_factors import local_factors
 
         state = self._state()
-        state.set_factors(local_factors(self._learner.factors(), self.spec, num_experts=state.num_experts))
+        set_factors(state, local_factors(self._learner.factors(), self.spec, num_experts=state.num_experts))
 
 
 PolicyTrainer = ray.remote(num_cpus=0, max_concurrency=3)(PolicyTrainerCore)

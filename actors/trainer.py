@@ -1,8 +1,9 @@
 """``TrainerShard``: a Ray actor holding one trainer rank's base shard + LoRA factors, sending syncs.
 
 Implements ``protocols.endpoints.TrainerEndpoint`` through the one endpoint implementation
-(``sync_service.live.endpoint.TrainerEndpoint``, the same code a live training rank runs, here over
-a ``TrainerState`` read from a checkpoint) plus ``FactorTrainerEndpoint`` (factor streaming).
+(``sync_service.live.endpoint.TrainerEndpoint`` over a ``LiveState``, the same code and state a live
+training rank runs, here over the rank's shard of a checkpoint: ``live/checkpoint.py``) plus
+``FactorTrainerEndpoint`` (factor streaming).
 Threaded (``max_concurrency=2``): a training-step hook (``set_factors`` / ``train_step``) may run
 while ``send`` streams a version — ``send`` works on the snapshot taken by ``snapshot(version)``, so
 later factor changes never leak into it.
@@ -22,10 +23,11 @@ from protocols.endpoints import FactorCost, OpenChannel, SendReport, SendRequest
 from protocols.params import ParamMeta
 from protocols.recipe import Recipe
 from protocols.wire import SyncPlan
+from sync_service.live.checkpoint import load_rank, set_factors
 from sync_service.live.endpoint import TrainerEndpoint
+from sync_service.live.state import LiveState
 from sync_service.sharding.ep_factors import local_factors
 from sync_service.sharding.rules import ShardSpec
-from sync_service.sharding.trainer_state import TrainerState
 from sync_service.sharding.training import step_delta
 
 
@@ -41,7 +43,7 @@ class TrainerShardCore:
         torch.set_num_threads(1)
         self.spec = ShardSpec(rank=rank, ep=ep, tp=tp)
         self._init = dict(base_dir=base_dir, adapter_dir=adapter_dir, gather_timeout_s=gather_timeout_s)
-        self.state: TrainerState | None = None
+        self.state: LiveState | None = None
         self.endpoint: TrainerEndpoint | None = None  # over ``state``; made by setup()
         self._factors = None  # sync_service.factor_stream.trainer.FactorTrainer, in factor modes
         self._full_shapes: dict[str, tuple[int, ...]] = {}
@@ -98,8 +100,7 @@ class TrainerShardCore:
         elif self._rendezvous is not None:  # one rank: no group, so the reserved socket stops listening
             self._rendezvous.close()
             self._rendezvous = None
-        self.state = TrainerState.from_checkpoint(base_dir, adapter_dir, self.spec,
-                                                  gather_timeout_s=self._init["gather_timeout_s"])
+        self.state = load_rank(base_dir, adapter_dir, self.spec, timeout_s=self._init["gather_timeout_s"])
         self.endpoint = TrainerEndpoint(self.state, rank=self.spec.rank, source_for=self._source_for)
         if adapter_dir is not None:
             from safetensors import safe_open
@@ -148,7 +149,7 @@ class TrainerShardCore:
     # -- training-side hooks ---------------------------------------------------------------
     def set_factors(self, updates: dict[str, np.ndarray]) -> None:
         """Replace local factor values (PEFT keys as this rank holds them)."""
-        self._state().set_factors({k: torch.from_numpy(np.asarray(v)) for k, v in updates.items()})
+        set_factors(self._state(), {k: torch.from_numpy(np.asarray(v)) for k, v in updates.items()})
 
     def train_step(self, step: int, scale: float = 0.02) -> None:
         """Change the factors as an optimizer step would: factor += ``step_delta`` (deterministic,
@@ -156,10 +157,11 @@ class TrainerShardCore:
         state = self._state()
         full = {k: step_delta(k, self._full_shapes[k], step, scale) for k in state.factors}
         local = local_factors(full, self.spec, num_experts=state.num_experts)
-        state.set_factors({k: state.factors[k] + local[k].to(state.factors[k].dtype) for k in local})
+        held = {k: p.param for k, p in state.factors.items()}
+        set_factors(state, {k: held[k] + local[k].to(held[k].dtype) for k in local})
 
     def local_factors(self) -> dict[str, np.ndarray]:
-        return {k: v.numpy().copy() for k, v in self._state().factors.items()}
+        return {k: p.param.numpy().copy() for k, p in self._state().factors.items()}
 
     def update_base(self, tensors: dict[str, np.ndarray]) -> None:
         """Replace local base tensors (full fine-tuning; copy-on-write)."""
@@ -206,7 +208,7 @@ class TrainerShardCore:
             raise RuntimeError("TrainerShard used before setup()")
         return self.endpoint
 
-    def _state(self) -> TrainerState:
+    def _state(self) -> LiveState:
         if self.state is None:
             raise RuntimeError("TrainerShard used before setup()")
         return self.state

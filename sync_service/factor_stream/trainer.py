@@ -1,15 +1,13 @@
 """Trainer-rank side of factor streaming behind the ``TrainerShard`` actor (``protocols.endpoints`` reports out).
 
 ``FactorTrainer`` answers the coordinator's planning questions from the adapter's *structure*
-(zero-filled full-size factors normalised by the merge core, as ``TrainerState`` does for its
-changed names), computes a version's changed recipe blocks (which gathers the factors, so it is a
-collective over the trainer group, like ``TrainerState.source``), and hands ``send`` the prepared
+(``LiveState.structure()``: zero-filled full-size factors normalised by the merge core), computes a
+version's changed recipe blocks (which gathers the factors, so it is a collective over the trainer
+group, like ``LiveState.source(..., whole_adapter=True)``), and hands ``send`` the prepared
 ``FactorSource``.
 """
 
 from __future__ import annotations
-
-import torch
 
 from protocols.endpoints import FactorCost
 from protocols.recipe import Recipe
@@ -17,23 +15,9 @@ from protocols.wire import SyncPlan
 from sync_service.factor_stream.plan import adapter_recipes, recipe_names_of, target_costs
 from sync_service.factor_stream.recipes import factor_wire_dtype
 from sync_service.factor_stream.source import FactorLedger, FactorSource
-from sync_service.merge.adapter import adapter_from_state_dict
 from sync_service.merge.source import MergedSource
-from sync_service.merge.terms import LoraAdapter
 
-__all__ = ["FactorTrainer", "structural_adapter"]
-
-
-def structural_adapter(state) -> LoraAdapter:
-    """The adapter of a ``TrainerState`` with zero factors: terms, selections, ranks, scalings only."""
-    from sync_service.sharding.trainer_state import _full_shape, _peer_expert_keys
-
-    if state.peft_config is None:
-        return LoraAdapter()
-    full = {k: torch.zeros(_full_shape(k, v, state.spec, state.num_experts), dtype=v.dtype) for k, v in state.factors.items()}
-    full.update(_peer_expert_keys(full, state.spec, state.num_experts))
-    return adapter_from_state_dict(state.peft_config, full, state.base.layout, state.base.metas(),
-                                   tied_aliases=state.base.tied_aliases)
+__all__ = ["FactorTrainer"]
 
 
 class FactorTrainer:
@@ -46,15 +30,15 @@ class FactorTrainer:
     def costs(self, state) -> tuple[FactorCost, ...]:
         """Merged vs factor cost per changed tensor."""
         out_dtype = state.merge.out_dtype
-        adapter = structural_adapter(state)
+        adapter = state.structure()
         outs = {m.name: out_dtype for m in state.base.metas()} if out_dtype else {}
         return tuple(target_costs(adapter, state.base.metas(), outs))
 
     def recipes(self, state, names: list[str], *, experts_per_recipe: int, bucket_bytes: int) -> tuple[Recipe, ...]:
         """Every recipe block of ``names``."""
-        return tuple(adapter_recipes(structural_adapter(state), state.base.metas(), names,
+        return tuple(adapter_recipes(state.structure(), state.base.metas(), names,
                                      experts_per_recipe=experts_per_recipe, bucket_bytes=bucket_bytes,
-                                     wire_dtype=factor_wire_dtype(state.factors.values())))
+                                     wire_dtype=factor_wire_dtype(p.param for p in state.factors.values())))
 
     def delta(self, state, version: int, plan: SyncPlan, rank: int) -> list[str]:
         """Gather the snapshot's factors (collective), keep the source for ``source(version)``, and

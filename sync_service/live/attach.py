@@ -91,13 +91,13 @@ def build_endpoint(model, *, group, rank: int, world: int, expert_range=None, ad
         check_keys_match_peft(live, model)
         shape_digest = _digest(live, experts_at)
         experts = None if experts_at is None else _expert_block(experts_at, world)
-        state = LiveState(live, group=group, rank=rank, world=world, experts=experts, timeout_s=timeout_s)
+        state = LiveState.over_model(live, group=group, rank=rank, world=world, experts=experts, timeout_s=timeout_s)
     except (ValueError, TypeError) as exc:
         error = exc
     ranges = _agree(rank, world, group, error, shape_digest, experts_at, timeout_s)
     if expert_range is not None:
         _check_tiling(ranges)
-    state.prepare()  # normalises the adapter once: a collective with DTensor factors
+    state.prepare()  # normalises the adapter's structure once
     return TrainerEndpoint(state, rank=rank, before_send=before_send)
 
 

@@ -4,7 +4,7 @@ Implements ``protocols.endpoints.TrainerEndpoint``: the coordinator calls, on ev
 ``owned_metas`` (once, to plan), ``open_transport(OpenChannel)`` (per membership), then per push
 ``snapshot(v)`` and ``send(SendRequest)`` — or ``drop_snapshot(v)``. Both kinds of trainer use it:
 a live training rank (``attach_trainer``: a ``LiveState`` over the user's PEFT model) and the
-``TrainerShard`` actor (``actors/trainer.py``: a ``TrainerState`` read from a checkpoint). Calls
+``TrainerShard`` actor (``actors/trainer.py``: a ``LiveState`` over its checkpoint shard). Calls
 arrive on a thread other than the training loop's (a Ray actor method thread), so ``send`` streams
 a snapshot while the next training step runs; one send runs at a time. One channel per owner
 (coordinator): a second coordinator on the same process never closes the first one's channel.
@@ -26,7 +26,7 @@ __all__ = ["SyncState", "TrainerEndpoint"]
 
 
 class SyncState(Protocol):
-    """What an endpoint needs of a rank's state (``LiveState``, ``TrainerState``)."""
+    """What an endpoint needs of a rank's state (``sync_service.live.state.LiveState``)."""
 
     merge: object
     """The ``MergeConfig`` its sources use (``check_finite``, ``accumulate_dtype`` are set per send)."""

@@ -6,7 +6,10 @@ sharded in place by FSDP2 ``fully_shard``). Its parameters are named as PEFT reg
 - base: ``base_model.model.<hf-fused name with .base_layer segments>`` (``…q_proj.base_layer.weight``,
   ``…mlp.experts.base_layer.base_layer.gate_up_proj`` for ``target_parameters``);
 - factors: ``base_model.model.<module>.lora_A.<adapter>.weight`` — the PEFT state-dict key
-  (``get_peft_model_state_dict``) is the same name without ``.<adapter>``.
+  (``get_peft_model_state_dict``) is the same name without ``.<adapter>``;
+- modules_to_save: the trained copy ``<module>.modules_to_save.<adapter>.<param>`` is a factor under
+  PEFT's key ``base_model.model.<module>.<param>`` (it replaces that base tensor in the merge); the
+  frozen ``<module>.original_module.<param>`` is the base tensor.
 
 Each parameter is a plain tensor (single process, DDP replica, or an expert-parallel rank's own
 expert block) or a ``DTensor`` placed ``(Shard(0),)`` on a 1-D mesh (FSDP2). Nothing is copied
@@ -26,7 +29,8 @@ __all__ = ["LiveParam", "LiveModel", "read_live_model", "unwrap_peft"]
 
 _PREFIX = "base_model.model."
 _FACTOR = re.compile(r"\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)\.([^.]+)(\.weight)?$")
-_NOT_SUPPORTED = ("modules_to_save", "original_module", "trainable_tokens")
+_NOT_SUPPORTED = ("trainable_tokens",)
+_SAVED = re.compile(r"\.modules_to_save\.([^.]+)\.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +112,7 @@ def read_live_model(model, *, adapter_name: str | None = None) -> LiveModel:
 
     Raises:
         TypeError: not a PEFT model. ValueError: the adapter does not exist, is not LoRA, has no
-            factors, or uses modules_to_save / trainable tokens (not read from a live model).
+            factors, or uses trainable tokens (not read from a live model).
     """
     peft_model = unwrap_peft(model)
     name = adapter_name if adapter_name is not None else peft_model.active_adapter
@@ -123,8 +127,14 @@ def read_live_model(model, *, adapter_name: str | None = None) -> LiveModel:
     base, factors = {}, {}
     for pname, param in peft_model.named_parameters():
         if any(f".{part}." in pname for part in _NOT_SUPPORTED):
-            raise ValueError(f"attach_trainer: {pname} belongs to modules_to_save / trainable tokens, which a live "
-                             f"endpoint does not read; train those modules as LoRA targets instead")
+            raise ValueError(f"attach_trainer: {pname} belongs to trainable tokens, which a live endpoint does not "
+                             f"read; train the embedding as a LoRA target or a modules_to_save module instead")
+        saved = _SAVED.search(pname)
+        if saved is not None:
+            if saved.group(1) == name:
+                key = pname[:saved.start()] + "." + pname[saved.end():]  # PEFT's key: the module's own name
+                factors[key] = LiveParam(key, param, tuple(param.shape))
+            continue
         m = _FACTOR.search(pname)
         if m is not None:
             if m.group(2) == name:
@@ -132,7 +142,7 @@ def read_live_model(model, *, adapter_name: str | None = None) -> LiveModel:
                 key = pname[:m.start()] + f".{m.group(1)}" + suffix
                 factors[key] = LiveParam(key, param, tuple(param.shape))
             continue
-        hf = pname.removeprefix(_PREFIX).replace(".base_layer", "")
+        hf = _hf_name(pname)
         base[hf] = LiveParam(hf, param, tuple(param.shape))
     if not factors:
         raise ValueError(f"attach_trainer: adapter {name!r} has no LoRA factors in this model")
@@ -141,12 +151,17 @@ def read_live_model(model, *, adapter_name: str | None = None) -> LiveModel:
                      config=inner.config, adapter_name=name)
 
 
+def _hf_name(pname: str) -> str:
+    """The hf-fused base name of a PEFT base parameter (wrapper segments removed)."""
+    return pname.removeprefix(_PREFIX).replace(".base_layer", "").replace(".original_module", "")
+
+
 def _tied_aliases(peft_model, base: dict[str, LiveParam]) -> dict[str, str]:
     """Parameters registered under two names (tied embeddings): the unlisted name → the listed one."""
     by_id = {id(p.param): n for n, p in base.items()}
     out = {}
     for pname, param in peft_model.named_parameters(remove_duplicate=False):
-        hf = pname.removeprefix(_PREFIX).replace(".base_layer", "")
+        hf = _hf_name(pname)
         if id(param) in by_id and hf not in base:
             out[hf] = by_id[id(param)]
     return out

@@ -1,4 +1,4 @@
-"""The snapshots of a trainer rank's state by version (``TrainerState`` and the live ``LiveState`` keep theirs here).
+"""The snapshots of a trainer rank's state by version (``LiveState`` keeps its own here).
 
 ``put(version, snap)`` at ``snapshot(version)``; ``take(version)`` when the send builds its source
 (the snapshot is consumed, but the last one taken stays available: a send retried to the surviving

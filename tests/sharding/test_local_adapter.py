@@ -17,9 +17,9 @@ from sync_service.dtypes import TORCH_DTYPES
 from sync_service.merge.adapter import adapter_from_state_dict
 from sync_service.merge.base import SafetensorsBase
 from sync_service.merge.errors import MergeError
+from sync_service.live.checkpoint import load_rank, set_factors
 from sync_service.merge.source import MergeConfig, MergedSource
 from sync_service.sharding.rules import ShardSpec
-from sync_service.sharding.trainer_state import TrainerState
 from sync_service.synthetic import make_adapter, make_base
 
 E = 4
@@ -59,14 +59,14 @@ def test_rank_boxes_equal_the_whole_merge_before_and_after_a_refresh(checkpoint,
     base_dir, adapter_dir = checkpoint
     if tp > 1 and "dora" in base_dir.parent.name:
         with pytest.raises(MergeError, match=r"use_dora=true: .*o_proj.weight is split by columns on trainer rank 0 .*tp=1"):
-            TrainerState.from_checkpoint(base_dir, adapter_dir, ShardSpec(rank=0, ep=ep, tp=tp))
+            load_rank(base_dir, adapter_dir, ShardSpec(rank=0, ep=ep, tp=tp))
         return
     wholes = {scale: whole_adapter(SafetensorsBase(base_dir), adapter_dir, scale) for scale in (1.0, -2.5)}
     for rank in range(ep * tp):
-        state = TrainerState.from_checkpoint(base_dir, adapter_dir, ShardSpec(rank=rank, ep=ep, tp=tp))
+        state = load_rank(base_dir, adapter_dir, ShardSpec(rank=rank, ep=ep, tp=tp))
         for version, scale in enumerate((1.0, -2.5)):
             if scale != 1.0:
-                state.set_factors({k: v * scale for k, v in state.factors.items()})
+                set_factors(state, {k: p.param * scale for k, p in state.factors.items()})
             state.snapshot(version)
             source = state.source(version)
             ref = MergedSource(state.base, wholes[scale], config=MergeConfig(), owned=state.owned(),
@@ -81,13 +81,13 @@ def test_rank_boxes_equal_the_whole_merge_before_and_after_a_refresh(checkpoint,
 
 def test_non_finite_factor_refused_naming_the_key(checkpoint):
     base_dir, adapter_dir = checkpoint
-    state = TrainerState.from_checkpoint(base_dir, adapter_dir, ShardSpec(rank=1, ep=2, tp=1))
+    state = load_rank(base_dir, adapter_dir, ShardSpec(rank=1, ep=2, tp=1))
     state.snapshot(0)
     state.source(0)
     key = sorted(state.factors)[0]
-    bad = state.factors[key].clone()
+    bad = state.factors[key].param.clone()
     bad.view(-1)[0] = float("inf")
-    state.set_factors({key: bad})
+    set_factors(state, {key: bad})
     state.snapshot(1)
     with pytest.raises(MergeError, match=rf"adapter key {key.replace('.', '[.]')}: holds NaN or Inf values on trainer rank 1"):
         state.source(1)
