@@ -41,12 +41,22 @@ def allocated_bytes(proc: psutil.Process) -> int:
     return sum(fields.values()) if "RssAnon" in fields else proc.memory_info().rss
 
 
+def _process(group: str, pid: int) -> psutil.Process:
+    """Raises RuntimeError naming the group when the process is gone (psutil's own error names only the pid)."""
+    try:
+        return psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        raise RuntimeError(f"{group} process {pid} exited before its memory was sampled (killed: out of memory? "
+                           f"see the Ray logs of its actor)") from None
+
+
 class RssSampler:
     """Samples RSS (bytes; shared pages a process touched count, e.g. shm rings and the Ray object
     store) and allocated bytes (``allocated_bytes``) of named process groups every ``interval_s``
     while entered.
 
-    ``groups``: group name (``"trainer"``, ``"engine"``) -> pids. After exit: ``base[pid]`` (RSS at
+    ``groups``: group name (``"trainer"``, ``"engine"``) -> pids (RuntimeError naming the group if one is
+    gone at construction). After exit: ``base[pid]`` (RSS at
     enter), ``peak[pid]``; ``peak_bytes(group)`` the peak of the group's summed RSS;
     ``max_extra_bytes(group)`` the largest growth of one process's *allocated* bytes over its value
     at enter (a trainer reading its memory-mapped base shard for the first time grows its RSS by the
@@ -56,7 +66,7 @@ class RssSampler:
 
     def __init__(self, groups: Mapping[str, list[int]], *, interval_s: float = 0.02) -> None:
         self.groups = {g: list(p) for g, p in groups.items()}
-        self._procs = {pid: psutil.Process(pid) for pids in self.groups.values() for pid in pids}
+        self._procs = {pid: _process(g, pid) for g, pids in self.groups.items() for pid in pids}
         self.interval_s = interval_s
         self.base: dict[int, int] = {}
         self.peak: dict[int, int] = {}
