@@ -24,10 +24,11 @@ import ray
 
 from actors.launch import start_engines, start_trainers
 from sync_service.api import SyncConfig, WeightSync
-from sync_service.local import AdapterReplay, reference_state
+from sync_service.local import AdapterReplay
 from sync_service.merge.peft_oracle import compare_state, peft_merged_state
 from sync_service.netns import host_from_dict, listeners, set_link, wait_for_nodes
 from tests.faults import inject
+from tests.oracle import our_merge
 
 ENV = {"OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
 BUCKET_BYTES = 16 << 10
@@ -62,11 +63,11 @@ class Run:
 
     def check(self, engines, replay=None, base=None) -> list[dict]:
         """Per engine: its version, whether it equals PEFT's merge of the replay's adapter, whether it
-        is bitwise merged mode's result (``reference_state``: the trainers' merge of the whole base)."""
+        is bitwise merged mode's result (``tests.oracle.our_merge``: weightsync's merge of the whole base)."""
         replay, base = replay or self.replay, base or self.base
         with tempfile.TemporaryDirectory(dir=self.work) as tmp:
             oracle = peft_merged_state(base, replay.save(Path(tmp) / "adapter"))
-        ours = {n: t.float().numpy() for n, t in reference_state(base, replay.peft_config, replay.state).items()}
+        ours = {n: t.float().numpy() for n, t in our_merge(base, replay).items()}
         out = []
         for engine in engines:
             state = ray.get(engine.state.remote(), timeout=self.timeout_s)

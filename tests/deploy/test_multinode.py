@@ -1,8 +1,9 @@
 """``weightsync run`` placement on a real multi-node Ray cluster (one machine, 3-4 Ray nodes).
 
 Trainer shards and rollout engines are placed by the custom resources of the config
-(``sync_service.placement.Deployment``), every version is compared bitwise with the reference merge
-(``sync_service.local.reference_state``), and a rollout node is removed while a push is in flight.
+(``sync_service.placement.Deployment``), every version is compared with PEFT's ``merge_and_unload`` of
+the replayed adapter (float64, cast once; ``tests.oracle``) and the engines bitwise with each other, and a
+rollout node is removed while a push is in flight.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ import ray
 from actors.launch import RayLauncher
 from sync_service.api import SyncConfig, WeightSync
 from sync_service.deploy_config import parse_config
-from sync_service.local import AdapterReplay, reference_state
+from sync_service.local import AdapterReplay
 from sync_service.placement import Deployment
 from sync_service.run_cli import run_versions
-from tests.e2e.conftest import assert_engines_equal
+from tests.oracle import assert_engines_bitwise, assert_engines_match
 
 pytestmark = pytest.mark.multinode
 
@@ -81,7 +82,7 @@ def deployed(cluster, tiny_files):
         dep.close()
 
 
-def test_actors_placed_by_resource_and_three_versions_exact(cluster, deployed):
+def test_actors_placed_by_resource_and_three_versions_exact(cluster, deployed, peft_oracle):
     dep, cfg = deployed["dep"], deployed["cfg"]
     head = cluster.head_node.node_id
     rollout = {n.node_id for n in cluster.rollout_nodes}
@@ -97,10 +98,10 @@ def test_actors_placed_by_resource_and_three_versions_exact(cluster, deployed):
     deployed["next_version"] = 3
     assert [r.version for r in rows] == [0, 1, 2] and [r.full for r in rows] == [True, False, False]
     assert all(r.verified for r in rows), [r.engines for r in rows]
-    # verified against PEFT's merge (float64, cast once: fp32-merge rounding apart); bitwise vs our merge below
+    # verified against PEFT's merge (float64, cast once: fp32-merge rounding apart); the engines bitwise alike
     assert all(e["max_abs_diff"] < 1e-6 and e["weight_version"] == r.version for r in rows for e in r.engines)
-    assert_engines_equal(dep.engines, reference_state(cfg.model.base, deployed["replay"].peft_config,
-                                                      deployed["replay"].state), what="version 2")
+    assert_engines_match(dep.engines, peft_oracle.state(cfg.model.base, deployed["replay"]), what="version 2")
+    assert_engines_bitwise(dep.engines[1:], ray.get(dep.engines[0].state.remote(), timeout=60), what="version 2")
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +124,7 @@ def node_lost(cluster, deployed):
     return {"version": v, "outcome": outcome, "seconds": time.monotonic() - t0, "survivor": survivor, "dead": dead}
 
 
-def test_node_loss_mid_push_the_live_engine_commits(deployed, node_lost):
+def test_node_loss_mid_push_the_live_engine_commits(deployed, node_lost, peft_oracle):
     """The lost engine leaves the membership and is reported; the live one commits the same snapshot."""
     v, m = node_lost["version"], node_lost["outcome"]
     assert not isinstance(m, BaseException), f"push({v}) raised {type(m).__name__}: {m}"
@@ -132,14 +133,14 @@ def test_node_loss_mid_push_the_live_engine_commits(deployed, node_lost):
     assert "died" in by_name["engine1"].error, by_name["engine1"].error
     assert deployed["sync"].engine_versions() == {"engine0": v}
     replay = deployed["replay"]
-    assert_engines_equal([node_lost["survivor"]], reference_state(deployed["cfg"].model.base, replay.peft_config,
-                                                                  replay.state), what=f"survivor at version {v}")
+    assert_engines_match([node_lost["survivor"]], peft_oracle.state(deployed["cfg"].model.base, replay),
+                         what=f"survivor at version {v}")
 
 
-def test_replacement_engine_on_a_new_node_catches_up_exactly(cluster, deployed, node_lost):
+def test_replacement_engine_on_a_new_node_catches_up_exactly(cluster, deployed, node_lost, peft_oracle):
     """A replacement node joins, Ray reschedules the lost bundle onto it, a fresh engine starts there
     and is admitted: it reaches the latest version (peer copy or the next push), then every engine
-    equals the reference merge of the next version."""
+    equals PEFT's merge of the next version, the replacement bitwise the survivor."""
     dep, sync, replay, v = deployed["dep"], deployed["sync"], deployed["replay"], node_lost["version"]
     base = deployed["cfg"].model.base
     new_node = cluster.add_node(num_cpus=0, resources={"rollout": 1}, object_store_memory=80 << 20)
@@ -148,12 +149,13 @@ def test_replacement_engine_on_a_new_node_catches_up_exactly(cluster, deployed, 
     assert dep.engine_nodes()[1] == new_node.node_id
     name = sync.add_engine(replacement)
     if ray.get(replacement.weight_version.remote(), timeout=30) == v:  # caught up at admission (peer copy)
-        assert_engines_equal([replacement], reference_state(base, replay.peft_config, replay.state),
-                             what=f"replacement at version {v}")
+        assert_engines_match([replacement], peft_oracle.state(base, replay), what=f"replacement at version {v}")
     ray.get([t.train_step.remote(v + 1) for t in dep.trainers], timeout=60)
     replay.step(v + 1)
     m = sync.push(v + 1)
     assert all(r.committed for r in m.engines) and len(m.engines) == 2
     assert sync.engine_versions() == {"engine0": v + 1, name: v + 1}
-    assert_engines_equal([node_lost["survivor"], replacement], reference_state(base, replay.peft_config, replay.state),
+    assert_engines_match([node_lost["survivor"], replacement], peft_oracle.state(base, replay),
                          what=f"version {v + 1} after node loss")
+    assert_engines_bitwise([replacement], ray.get(node_lost["survivor"].state.remote(), timeout=60),
+                           what=f"version {v + 1}: replacement vs survivor")

@@ -1,7 +1,9 @@
 """Every family synced end to end: two TrainerShard actors (EP=2) → WeightSync → a transformers engine actor,
-all in one Ray session. Version 0 (full sync) must equal PEFT's ``merge_and_unload`` in float64 cast once;
-version 1 (a delta after a training step) must send only the tensors the adapter changes and equal the
-replayed reference. Families alternate fp32 / bf16 and plain / rsLoRA scaling. deepseek_v3 covers a
+all in one Ray session. Version 0 (full sync) and version 1 (a delta after a training step) must equal PEFT's
+``merge_and_unload`` in float64 cast once of their adapters (``assert_matches``: fp32-merge rounding, bf16
+within one ulp); the delta must send only the tensors the adapter changes and leave the engine bitwise what
+merged mode computes for the whole base (``tests.oracle.our_merge``: a delta equals a full sync). Families
+alternate fp32 / bf16 and plain / rsLoRA scaling. deepseek_v3 covers a
 persistent buffer (``mlp.gate.e_score_correction_bias``): carried by the full sync, never by a delta.
 """
 
@@ -18,9 +20,10 @@ import torch
 
 from sync_service.api import SyncConfig, WeightSync
 from actors.launch import start_trainers
-from sync_service.local import AdapterReplay, reference_state
+from sync_service.local import AdapterReplay
 from sync_service.synthetic import make_adapter, make_base
 from tests.merge.conftest import assert_matches, peft_merged_model
+from tests.oracle import our_merge
 
 ray = pytest.importorskip("ray")
 
@@ -97,19 +100,24 @@ def _as_torch(state: dict[str, np.ndarray], like: dict[str, torch.Tensor]) -> di
     return {n: torch.from_numpy(a).to(like[n].dtype) for n, a in state.items()}
 
 
+def _assert_peft_merge(state: dict[str, np.ndarray], base, adapter, dtype: str) -> None:
+    """The engine's ``state`` equals PEFT's ``merge_and_unload`` of ``adapter`` (float64; the float64 tensors
+    cast once to ``dtype``, tensors transformers keeps in fp32 left so), within ``assert_matches``."""
+    oracle = {n: t.to(getattr(torch, dtype)) if t.dtype == torch.float64 else t
+              for n, t in peft_merged_model(base, adapter).state_dict().items()}
+    assert_matches(_as_torch(state, oracle), {n: oracle[n] for n in state})
+
+
 @pytest.mark.parametrize("family,dtype,rslora", CASES)
-def test_family_full_then_delta_sync(trainer_pool, engine_pool, families, family, dtype, rslora):
+def test_family_full_then_delta_sync(trainer_pool, engine_pool, families, tmp_path, family, dtype, rslora):
     base, adapter = families[family]
     engine = engine_pool.take(family)
     trainers = start_trainers(base, adapter, ep=2, reuse=trainer_pool)
     sync = WeightSync(trainers=trainers, engines=[engine], config=CONFIG)
     try:
         assert sync.push(0).full
-        oracle_model = peft_merged_model(base, adapter)
-        oracle = {n: t.to(getattr(torch, dtype)) if t.dtype == torch.float64 else t
-                  for n, t in oracle_model.state_dict().items()}
         state = _engine_state(engine)
-        assert_matches(_as_torch(state, oracle), {n: oracle[n] for n in state})
+        _assert_peft_merge(state, base, adapter, dtype)
 
         replay = AdapterReplay(adapter)
         ray.get([t.train_step.remote(1) for t in trainers], timeout=120)
@@ -117,8 +125,9 @@ def test_family_full_then_delta_sync(trainer_pool, engine_pool, families, family
         delta = sync.push(1)
         assert not delta.full
         before = {n: torch.from_numpy(a) for n, a in state.items()}
-        reference = reference_state(base, replay.peft_config, replay.state)
         after = _engine_state(engine)
+        _assert_peft_merge(after, base, replay.save(tmp_path / "lora-v1"), dtype)
+        reference = our_merge(base, replay)  # merged mode over the whole base: the delta equals it bitwise
         assert set(after) == set(reference)
         for name, want in reference.items():
             assert np.array_equal(after[name], want.float().numpy() if want.dtype == torch.bfloat16 else want.numpy()), name
@@ -164,10 +173,7 @@ def test_in_out_family_ep_tp_sync(trainer_pool, families, tmp_path, family, ep, 
     sync = WeightSync(trainers=trainers, engines=[engine], config=CONFIG)
     try:
         assert sync.push(0).full
-        oracle = {n: t.to(getattr(torch, dtype)) if t.dtype == torch.float64 else t
-                  for n, t in peft_merged_model(base, adapter).state_dict().items()}
-        state = _engine_state(engine)
-        assert_matches(_as_torch(state, oracle), {n: oracle[n] for n in state})
+        _assert_peft_merge(_engine_state(engine), base, adapter, dtype)
     finally:
         sync.close()
         ray.kill(engine)
