@@ -163,7 +163,7 @@ class ExampleTrainingRank:
             elif self.mode == "ep" and ".experts." in key:
                 parts = [torch.empty_like(t) for _ in range(self.world)]
                 dist.all_gather(parts, t.detach().contiguous())
-                t = _join_experts(key, parts)
+                t = _join_experts(key, parts, self.peft.peft_config[self.peft.active_adapter].r)
             out[key] = t.detach().numpy().copy()
         return out
 
@@ -216,10 +216,11 @@ class ExampleTrainingRank:
             raise TimeoutError(f"send({version}) held for 120 s")
 
 
-def _join_experts(key: str, parts: list[torch.Tensor]) -> torch.Tensor:
-    """EP ranks' fused expert factors → the whole factor (A: rows expert-major; B: columns rank-major)."""
+def _join_experts(key: str, parts: list[torch.Tensor], r: int) -> torch.Tensor:
+    """EP ranks' fused expert factors of LoRA rank ``r`` → the whole factor (A [r·E, in]: rows expert-major,
+    the ranks' blocks in order; B [out, r·E]: columns rank-major, k·E + e, so each rank's [out, r, E_local]
+    joins on the expert dim)."""
     if ".lora_A." in key:
         return torch.cat(parts, 0)
     out, cols = parts[0].shape
-    r = 2
     return torch.cat([p.view(out, r, cols // r) for p in parts], 2).reshape(out, -1)
