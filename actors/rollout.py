@@ -78,7 +78,7 @@ class RolloutEngineCore:
         from sync_service.streaming.receiver import BucketReceiver
         from sync_service.transports import TransportSpec, open_receiver
 
-        self.close_transport(request.owner)
+        self._close_channels(request.owner)  # a reopen keeps the staging buffers
         plan = decode(request.plan)
         if not isinstance(plan, SyncPlan):
             raise ValueError(f"open_transport: plan decodes to {type(plan).__name__}, not a SyncPlan")
@@ -115,7 +115,15 @@ class RolloutEngineCore:
         return FactorStateReport(ready=fe.factor_ready(), resident_bytes=fe.resident_bytes(), merge_s=fe.merge_s)
 
     def close_transport(self, owner: str | None = None) -> None:
-        """Close ``owner``'s channel (``None``: every channel). Idempotent."""
+        """Close ``owner``'s channel (``None``: every channel). Idempotent. When no channel is left (the
+        ``WeightSync`` closed, or this engine left it) the engine's staging buffers are freed: a model-size
+        copy otherwise kept for a sync that may never come (the next channel open reserves them again)."""
+        self._close_channels(owner)
+        release = getattr(self.engine, "release_staging", None)
+        if not self._channels and release is not None:
+            release()
+
+    def _close_channels(self, owner: str | None) -> None:
         for key in list(self._channels) if owner is None else [owner]:
             entry = self._channels.pop(key, None)
             if entry is not None:

@@ -6,7 +6,8 @@ Each sub-command module exposes ``add_arguments(parser: argparse.ArgumentParser)
 Errors: every failure ends in one line on stderr, ``weightsync <command>: error: <message>`` — no
 traceback, no colour codes (``--traceback`` shows the traceback) — and the exit status says which
 kind it was (``EXIT_CODES``): 2 bad input (flags, files, configs: nothing was changed), 1 a runtime
-failure (a push failed, an actor died, a timeout, verification failed), 130 interrupted.
+failure (a push failed, an actor died, a timeout, verification failed), 130 interrupted (Ctrl-C or SIGTERM:
+every clean-up runs first).
 An error raised inside a Ray actor is unwrapped to its cause and named with the actor.
 Sub-commands that start actors find a ``protocols.endpoints.Launcher`` in ``args.launcher``: the
 ``weightsync`` console script (``actors/cli.py``) passes ``actors.launch.RayLauncher()``.
@@ -15,9 +16,12 @@ Sub-commands that start actors find a ``protocols.endpoints.Launcher`` in ``args
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import re
+import signal
 import sys
+import threading
 from typing import NoReturn
 
 # sub-command -> (module, one-line help)
@@ -139,6 +143,38 @@ class _NoLauncher:
                            f"or python -m actors.cli")
 
 
+def _interrupt(signum, frame) -> NoReturn:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts():
+    """Within the block SIGTERM ends a command as Ctrl-C does: a ``KeyboardInterrupt``, so every ``finally``
+    runs (temp dirs removed, Ray shut down, child processes stopped) and the command exits 130; the previous
+    handler is back after. Only in the main thread (the only one that may set a handler)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def sigterm_kept():
+    """Puts back, after the block, the Python SIGTERM handler set before it: ``ray.init`` installs its own
+    (``sys.exit(15)``), which would make a command's SIGTERM an exit 15 instead of the interrupt of
+    ``_sigterm_interrupts``. Keeps Ray's where no Python handler was set (outside a command)."""
+    before = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
+    try:
+        yield
+    finally:
+        if callable(before):
+            signal.signal(signal.SIGTERM, before)
+
+
 def main(argv: list[str] | None = None, *, launcher=None) -> int:
     """Parse ``argv`` and run the sub-command. ``launcher``: a ``protocols.endpoints.Launcher`` for
     sub-commands that start actors (``actors.cli.main``, the console script, passes one)."""
@@ -149,7 +185,8 @@ def main(argv: list[str] | None = None, *, launcher=None) -> int:
                                     f"(see weightsync {args.command} --help)\n")
     args.launcher = launcher if launcher is not None else _NoLauncher(args.command)
     try:
-        return int(importlib.import_module(args._module).run(args) or 0)
+        with _sigterm_interrupts():
+            return int(importlib.import_module(args._module).run(args) or 0)
     except KeyboardInterrupt:
         print(f"weightsync {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -49,17 +49,18 @@ def load_secret(cfg: SecretConfig, environ: dict[str, str] | None = None) -> byt
 
 
 def connect(address: str | None, cfg: DeployConfig, tmp: Path) -> None:
-    """``ray.init`` to ``address``, or a local Ray advertising the config's resources."""
+    """``ray.init`` to ``address``, or a local Ray advertising the config's resources; the command's SIGTERM
+    handling stays (``cli.sigterm_kept``)."""
     import ray
 
-    env = defaults.RAY_WORKER_ENV
-    if address is not None:
-        ray.init(address=address, log_to_driver=False, runtime_env={"env_vars": env})
-        return
-    t, e = cfg.trainers, cfg.engines
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(tmp), log_to_driver=False,
-             resources={t.resource: t.shards * t.resource_per_shard, e.resource: e.count * e.resource_per_engine},
-             runtime_env={"env_vars": env})
+    from sync_service.cli import sigterm_kept
+
+    env, t, e = defaults.RAY_WORKER_ENV, cfg.trainers, cfg.engines
+    local = dict(num_cpus=2, include_dashboard=False, _temp_dir=str(tmp),
+                 resources={t.resource: t.shards * t.resource_per_shard, e.resource: e.count * e.resource_per_engine})
+    with sigterm_kept():
+        ray.init(**({"address": address} if address is not None else local), log_to_driver=False,
+                 runtime_env={"env_vars": env})
 
 
 def run_versions(cfg: DeployConfig, deployment, sync, first_version: int = 0, versions: int | None = None,

@@ -108,10 +108,15 @@ def quiet_libraries() -> None:
 
 
 def start_ray(tmp: Path) -> None:
+    """A local Ray (2 CPUs, temp dir ``tmp``, no dashboard; workers with ``defaults.RAY_WORKER_ENV``); a command's
+    SIGTERM handling stays as it was (``cli.sigterm_kept``)."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(tmp), log_to_driver=False,
-             runtime_env={"env_vars": defaults.RAY_WORKER_ENV})
+    from sync_service.cli import sigterm_kept
+
+    with sigterm_kept():
+        ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(tmp), log_to_driver=False,
+                 runtime_env={"env_vars": defaults.RAY_WORKER_ENV})
 
 
 def run_local(cfg: RunConfig, launcher) -> list[VersionRow]:

@@ -90,6 +90,21 @@ def _one_host(model, cfg: BenchConfig, size: int, rows: list[Row], failed: list[
         guarded(failed, "vllm", size, say, lambda: run_vllm(model, cfg, size, rows, launcher, work, say=say))
 
 
+def _work_dir(cfg: BenchConfig) -> Path:
+    """A fresh scratch directory for the disk row under ``cfg.work_dir`` (default ``cfg.cache_dir``), both
+    created as needed. Raises ValueError naming the directory and the fix when one cannot be created or
+    written (before any model is generated)."""
+    dirs = [("--cache-dir", cfg.cache_dir)] + ([("BenchConfig.work_dir", cfg.work_dir)] if cfg.work_dir else [])
+    flag, path = dirs[0]
+    try:
+        for flag, path in dirs:
+            Path(path).mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix="disk-", dir=path))  # the last: where the disk row writes
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: cannot create or write a directory there ({exc.strerror}); "
+                         "give a writable directory") from None
+
+
 def run_bench(cfg: BenchConfig, *, launcher, argv: list[str] | None = None, say=_say) -> dict:
     """Run every row the size plan allows (actors from ``launcher``, a ``protocols.endpoints.Launcher``);
     returns the report (``report.build_report``)."""
@@ -102,9 +117,8 @@ def run_bench(cfg: BenchConfig, *, launcher, argv: list[str] | None = None, say=
     rows: list[Row] = []
     failed: list[dict] = []
     factor_bytes: dict[int, int] = {}
+    work = _work_dir(cfg)
     tmp = Path(tempfile.mkdtemp(prefix="wsb"))
-    cfg.cache_dir.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="disk-", dir=cfg.work_dir or cfg.cache_dir))
     try:
         for size in cfg.link_sizes() if cfg.link_only else sorted(set(cfg.sizes)):
             shape = model_for_size(size, quick=cfg.quick)

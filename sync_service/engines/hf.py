@@ -160,6 +160,11 @@ class HFEngine:
         pays first-touch page faults; names outside the table are skipped. Returns bytes allocated."""
         return self._staging.reserve([n for n in names if n in self._params])
 
+    def release_staging(self) -> int:
+        """Free the staging buffers kept for the next sync (``Staging.release``; when the last channel
+        closes). Returns the bytes freed."""
+        return self._staging.release()
+
     def apply(self, name: str, box: Box, data: torch.Tensor) -> None:
         """Copy ``data`` into ``box`` of the staging buffer of ``name`` (never the live parameter).
 

@@ -58,6 +58,10 @@ class MemoryEngine:
         skipped). Returns bytes allocated."""
         return self._staging.reserve([n for n in names if n in self._served])
 
+    def release_staging(self) -> int:
+        """Free the staging buffers kept for the next sync (``Staging.release``). Returns the bytes freed."""
+        return self._staging.release()
+
     def apply(self, name: str, box: Box, data: torch.Tensor) -> None:
         """Raises as ``Staging.apply``."""
         self._staging.apply(name, box, data)

@@ -4,7 +4,7 @@ An engine never writes a received box into a served tensor. ``Staging.begin`` ta
 name announced for the sync (a buffer of an earlier sync is reused when its shape and dtype still fit),
 ``apply`` checks the box and copies into the buffer, ``check_complete`` (at ``finish_update``) refuses a
 sync that did not cover every element of every announced tensor, ``take`` hands the filled buffers to the
-engine's commit, ``drop`` discards them (abort). ``reserve`` allocates and touches the buffers of a
+engine's commit, ``drop`` discards them (abort), ``release`` frees the spares when no sync is coming. ``reserve`` allocates and touches the buffers of a
 plan's names ahead of its first sync (at channel open): a page's first touch (~1-3 GB/s here) or a
 copy-on-write fault then never lands inside a sync, whose copies run into touched memory (~20 GB/s
 quiet). Boxes of one sync are disjoint (the plan guarantees it;
@@ -132,6 +132,13 @@ class Staging:
             self._spare[name] = self._allocate(name).zero_()
             allocated += self._spare[name].nbytes
         return allocated
+
+    def release(self) -> int:
+        """Free the spare buffers kept for the next sync (a sync being staged keeps its own). Returns the
+        bytes freed; the next ``begin`` or ``reserve`` allocates again."""
+        freed = sum(t.nbytes for t in self._spare.values())
+        self._spare.clear()
+        return freed
 
     def names(self) -> list[str]:
         return list(self._buffers)
