@@ -20,5 +20,5 @@ def test_ep_ranks_factors_join_to_the_whole_factor(r):
     parts_a = [whole_a.reshape(num_experts, r, in_dim)[e0:e1].reshape(-1, in_dim) for e0, e1 in blocks]
     parts_b = [whole_b.reshape(out_dim, r, num_experts)[:, :, e0:e1].reshape(out_dim, -1) for e0, e1 in blocks]
     key = "base_model.model.model.layers.0.mlp.experts.base_layer.lora_{}.weight"
-    assert torch.equal(_join_experts(key.format("A"), parts_a), whole_a)
-    assert torch.equal(_join_experts(key.format("B"), parts_b), whole_b)
+    assert torch.equal(_join_experts(key.format("A"), parts_a, r), whole_a)
+    assert torch.equal(_join_experts(key.format("B"), parts_b, r), whole_b)
