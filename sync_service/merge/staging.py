@@ -3,7 +3,7 @@
 The scratch is allocated once (grown at most up to the budget) and reused: first-touch
 allocation runs at ~3 GB/s, copies into touched memory at ~20 GB/s (DESIGN.md, measured).
 A box is cut into tiles along its leading dims (experts first, then rows, then columns) of at most
-``MergeConfig.tile_bytes`` (cache-sized, ~512 KiB) under the ``staging_bytes`` budget, so no step
+``MergeConfig.tile_bytes`` (cache-sized, 2 MiB) under the ``staging_bytes`` budget, so no step
 holds a whole fused [E, 2I, H] fp32 temporary and each tile's cast-in / add / cast-out passes run
 in cache. Tiles that no term touches skip the scratch (one cast, same values).
 """

@@ -135,3 +135,18 @@ def test_merge_snapshot_detaches_from_live_factors():
     before = snap.terms[GU][0].x.clone()
     source.adapter.terms[GU][0].x.add_(1.0)  # the trainer keeps training
     assert torch.equal(snap.terms[GU][0].x, before)
+
+
+def test_merge_tile_size_never_changes_a_value():
+    """The tile size (``MergeConfig.tile_bytes``) only changes how a box is cut: tiles of 128 rows, one expert,
+    two experts and the whole box give bitwise the fp32 merge cast once (r = 16, bf16 base)."""
+    base = torch.randn(4, 1024, 256).to(torch.bfloat16)
+    outs = []
+    for tile_bytes in (128 << 10, 1 << 20, 2 << 20, 64 << 20):
+        source = _source("qwen3_moe", {GU: base}, r=16, tile_bytes=tile_bytes)
+        outs.append(torch.empty_like(base))
+        source.fill(GU, full_box(base.shape), outs[-1])
+        assert source.peak_staging_bytes == min(tile_bytes, 4 * 1024 * 256 * 4)
+    term = source.adapter.terms[GU][0]
+    want = (base.float() + term.scaling * torch.bmm(term.x, term.y)).to(torch.bfloat16)
+    assert all(torch.equal(o.view(torch.int16), want.view(torch.int16)) for o in outs)
