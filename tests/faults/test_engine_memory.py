@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from sync_service.api import SyncConfig, WeightSync
-from tests.faults.conftest import TIMEOUT_S, Replay, assert_equal_state
+from tests.faults.conftest import TIMEOUT_S, assert_oracle_state
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.faults
@@ -20,7 +20,7 @@ def _staging_bytes(actor) -> int:
 
 def test_close_frees_the_engines_staging(pool):
     trainers, engine = pool.trainers(ep=1), pool.engines[0]
-    replay = Replay(pool.base, pool.adapter)
+    replay = pool.replay()
     held = lambda: ray.get(engine.__ray_call__.remote(_staging_bytes), timeout=TIMEOUT_S)  # noqa: E731
     config = SyncConfig(transport="shm", bucket_bytes=1 << 10, timeout_s=TIMEOUT_S)
     sync = WeightSync(trainers=trainers, engines=[engine], config=config)
@@ -36,6 +36,6 @@ def test_close_frees_the_engines_staging(pool):
         replay.step(trainers, 1)
         v = pool.next_version()
         sync.push(v)
-        assert_equal_state(engine, replay.reference(), f"push({v}) after a close and a new WeightSync")
+        assert_oracle_state(engine, replay.oracle(), f"push({v}) after a close and a new WeightSync")
     finally:
         sync.close()
