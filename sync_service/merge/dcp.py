@@ -70,7 +70,7 @@ def read_dcp_state(path: str | Path) -> dict[str, torch.Tensor]:
     reader = _reader(path)
     try:
         metadata = reader.read_metadata()
-    except (ValueError, OSError) as exc:  # MetadataError (a ValueError) names what is not DCP metadata
+    except (ValueError, OSError, RuntimeError) as exc:  # MetadataError (a ValueError) names the non-DCP part
         raise MergeError(f"{path / METADATA}: not a torch.distributed.checkpoint metadata file ({exc}); "
                          f"save the checkpoint with torch.distributed.checkpoint.save") from None
     entries = metadata.state_dict_metadata

@@ -13,7 +13,8 @@ file names, so nothing here unpickles: ``pickletools.genops`` yields the opcodes
 Any other GLOBAL, opcode or shape is refused (``MetadataError`` naming it). At STOP the records become torch's
 own dataclasses through ``_SPECS`` — one row a record: its fields, the type each field must have, required or
 not — and ``check_layout`` checks them against the directory: sizes and chunks (``offsets`` + ``sizes`` within
-the tensor, one dim each), and every data file a plain name inside it, its byte range within the file.
+the tensor, one dim each, each element in one chunk), and every data file a plain name inside it, its byte
+range within the file.
 
 What torch 2.13 writes (``Metadata``): ``state_dict_metadata`` {fqn: ``TensorStorageMetadata(properties,
 size, chunks)`` | ``BytesStorageMetadata()``}, ``planner_data`` {flat fqn: path tuple}, ``storage_data``
@@ -360,22 +361,33 @@ def parse_metadata(data: bytes) -> md.Metadata:
     return _Builder().record(_walk(data), ("Metadata",))
 
 
-def _check_chunk(key: str, size: torch.Size, chunk: md.ChunkStorageMetadata) -> None:
-    if not (len(chunk.offsets) == len(chunk.sizes) == len(size)) or not all(
-            0 <= o and 0 <= n and o + n <= d for o, n, d in zip(chunk.offsets, chunk.sizes, size)):
-        raise MetadataError(f"entry {key!r}: chunk at offsets {list(chunk.offsets)} of sizes {list(chunk.sizes)} "
-                            f"is not inside its size {list(size)}")
+def _check_cover(key: str, size: torch.Size, chunks: list[md.ChunkStorageMetadata]) -> None:
+    """Chunks inside ``size`` holding each element once (DCP leaves one no chunk holds as it was allocated)."""
+    for c in chunks:
+        if not (len(c.offsets) == len(c.sizes) == len(size)) or not all(
+                0 <= o and 0 <= n and o + n <= d for o, n, d in zip(c.offsets, c.sizes, size)):
+            raise MetadataError(f"entry {key!r}: chunk at offsets {list(c.offsets)} of sizes {list(c.sizes)} "
+                                f"is not inside its size {list(size)}")
+    if (volume := sum(c.sizes.numel() for c in chunks)) != size.numel():
+        raise MetadataError(f"entry {key!r}: its chunks cover {volume} of its {size.numel()} elements")
+    if len(chunks) < 2:
+        return
+    cover = torch.zeros(tuple(size), dtype=torch.bool)  # RuntimeError where no memory holds it
+    for c in chunks:
+        cover[tuple(slice(o, o + n) for o, n in zip(c.offsets, c.sizes))] = True
+    if not bool(cover.all()):
+        raise MetadataError(f"entry {key!r}: its chunks leave elements unread (two chunks overlap)")
 
 
 def check_layout(directory: Path, metadata: md.Metadata) -> None:
     """Raises MetadataError unless every tensor entry of ``metadata`` has non-negative dims and chunks inside
-    them, and every data file is a plain file name inside ``directory`` whose byte range lies within it."""
+    them that hold each element once, and every data file is a plain file name inside ``directory`` whose byte
+    range lies within it. A size no memory holds as a bool mask raises RuntimeError."""
     for key, entry in metadata.state_dict_metadata.items():
         if isinstance(entry, md.TensorStorageMetadata):
             if any(n < 0 for n in entry.size):
                 raise MetadataError(f"entry {key!r} has size {entry.size!r}, dtype {entry.properties.dtype}")
-            for chunk in entry.chunks:
-                _check_chunk(key, entry.size, chunk)
+            _check_cover(key, entry.size, entry.chunks)
     sizes: dict[str, int] = {}
     for index, info in metadata.storage_data.items():
         name = info.relative_path

@@ -104,13 +104,21 @@ def _cases(good: Path, marker: Path) -> dict[str, tuple[bytes, str]]:
                      "has size torch.Size([-1, 3])"),
         "chunk_outside": (_edited(good, _entry(lambda e: setattr(e.chunks[0], "offsets", torch.Size([1, 0])))),
                           "chunk at offsets [1, 0] of sizes [2, 3] is not inside its size [2, 3]"),
+        "no_chunks": (_edited(good, _entry(lambda e: setattr(e, "chunks", []))),
+                      "chunks cover 0 of its 6 elements"),
+        "half_chunk": (_edited(good, _entry(lambda e: setattr(e.chunks[0], "sizes", torch.Size([1, 3])))),
+                       "chunks cover 3 of its 6 elements"),
+        "overlap": (_edited(good, _entry(lambda e: setattr(e, "chunks", [
+            ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([1, 3])),
+            ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([1, 3]))]))),
+            "chunks leave elements unread"),
     }
 
 
 def test_anything_else_is_refused_naming_it(tmp_path):
     """A payload (``os.system``), state set on a class, a record filled twice or built by a call, a protocol-0
     pickle, an unknown field, a data file outside the directory or a byte range past its end, a negative size, a
-    chunk outside its tensor: each a ``MergeError`` naming the ``.metadata`` file, the fix and the cause; the
+    chunk outside its tensor, chunks that miss or overlap elements (DCP would leave those unread): each a ``MergeError`` naming the ``.metadata`` file, the fix and the cause; the
     payload never ran, no class changed, the other checkpoint's tensors were never read."""
     good, secret, marker = tmp_path / "good", tmp_path / "secret", tmp_path / "ran"
     _save({"model.w": torch.arange(6.0).reshape(2, 3)}, good)
