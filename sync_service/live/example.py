@@ -132,12 +132,14 @@ class ExampleTrainingRank:
         return self.peft
 
     def train_step(self) -> float:
-        """One AdamW step on an LM loss over seeded tokens (different per rank and step)."""
+        """One AdamW step on an LM loss over seeded tokens (different per rank and step), in the usual order
+        ``zero_grad``, forward, backward, ``step``: the step's grads stay in ``.grad`` until the next step."""
         import torch.distributed as dist
 
         self._step += 1
         g = torch.Generator().manual_seed(100 * self._step + self.rank)
         tokens = torch.randint(3, 64, (2, 12), generator=g)
+        self.opt.zero_grad(set_to_none=False)
         loss = self.model(input_ids=tokens, labels=tokens).loss
         loss.backward()
         if self.mode == "ep":  # the non-expert part is data parallel across EP ranks
@@ -146,7 +148,6 @@ class ExampleTrainingRank:
                     dist.all_reduce(p.grad)  # gloo has no AVG
                     p.grad.div_(self.world)
         self.opt.step()
-        self.opt.zero_grad(set_to_none=False)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"rank {self.rank} step {self._step}: loss {float(loss)}")
         return float(loss)

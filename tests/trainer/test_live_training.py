@@ -34,6 +34,13 @@ def _greedy_equal(engine, oracle, base_dir) -> None:
     assert tokens == ref
 
 
+def _grad_abs_sum(rank) -> float:
+    """Runs in a training rank: the sum of |grad| over its LoRA factors (local shards)."""
+    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in rank.peft.parameters()
+             if p.grad is not None]
+    return float(sum(g.abs().sum() for g in grads))
+
+
 @pytest.mark.parametrize("family,mode", [("qwen3_moe", "fsdp2"), ("mixtral", "fsdp2"), ("qwen3_moe", "ddp"),
                                          ("qwen3_moe", "ep")])
 def test_training_loop_pushes_exact_versions(bases, engines, ranks, tmp_path, family, mode):
@@ -47,6 +54,7 @@ def test_training_loop_pushes_exact_versions(bases, engines, ranks, tmp_path, fa
             losses = ray.get([r.train_step.remote() for r in ranks], timeout=120)
             assert all(loss == loss for loss in losses)
             digests = ray.get([r.digest.remote() for r in ranks])
+            assert all(ray.get([r.__ray_call__.remote(_grad_abs_sum) for r in ranks])), "no grads for the digest to see"
             metrics = sync.push(step)
             assert ray.get([r.digest.remote() for r in ranks]) == digests, "a push changed trainer state"
             assert metrics.full == (step == 0) and all(e.committed for e in metrics.engines)
