@@ -1,8 +1,8 @@
-"""Trainer-side sharding as training frameworks shard: expert parallel, tensor parallel, FSDP
-(``fsdp.fsdp_base`` over DTensor dim-0 shards; imported on demand).
+"""Trainer-side sharding as training frameworks shard: expert parallel and tensor parallel (FSDP2's
+DTensor dim-0 shards of a live model: ``sync_service/live/base.py``).
 
 ``ShardSpec`` + ``rules.py`` say which global boxes a rank holds; ``ShardedBase`` serves global
-boxes from the rank's local tensors (a ``BaseProvider``); ``factors.py`` all-gathers LoRA factors
+boxes from the rank's local tensors (a ``BaseProvider``); ``ep_factors.py`` all-gathers LoRA factors
 (never the base) so each rank can merge its own base shard.
 """
 

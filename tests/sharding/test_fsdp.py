@@ -1,4 +1,4 @@
-"""FSDP2-style DTensor dim-0 shards on a CPU DeviceMesh (gloo, 2 real processes)."""
+"""FSDP2-style DTensor dim-0 shards on a CPU DeviceMesh (gloo, 2 real processes), read as a live base."""
 
 from __future__ import annotations
 
@@ -21,13 +21,15 @@ def _worker(rank: int, world: int, init_file: str, result_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from sync_service.sharding.fsdp import fsdp_base
+    from sync_service.live.base import live_base
+    from sync_service.live.model import LiveParam
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world,))
         full = full_tensors()
-        base = fsdp_base({n: distribute_tensor(t, mesh, [Shard(0)]) for n, t in full.items()})
+        params = {n: LiveParam(n, distribute_tensor(t, mesh, [Shard(0)]), tuple(t.shape)) for n, t in full.items()}
+        base = live_base(params, layout=None, tied_aliases={}, rank=rank, world=world, experts=None)
         covered = {n: torch.zeros(t.shape) for n, t in full.items()}
         for meta in base.owned():
             box = meta.covered_box()
