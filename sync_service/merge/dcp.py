@@ -107,7 +107,12 @@ def _model(path: Path, state: dict[str, torch.Tensor]):
         from peft import PeftConfig, get_peft_model
 
         model = get_peft_model(model, PeftConfig.from_pretrained(str(path)))
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # torch: "size mismatch for <key>: copying a param with shape …"
+        detail = " ".join(str(exc).split(":", 1)[-1].split())[:300]
+        raise MergeError(f"{path}: the DCP state's shapes are not those of its config.json ({detail}); save the "
+                         f"config.json of the very model checkpointed (model.config.save_pretrained(DIR))") from None
     if missing or unexpected:
         raise MergeError(f"{path}: the DCP state is not the {type(model).__name__} of its config.json"
                          f"{' + adapter_config.json' if hasattr(model, 'peft_config') else ''}: missing "
@@ -123,7 +128,7 @@ def hf_dirs(path: str | Path, out_dir: str | Path) -> tuple[Path, Path | None]:
     Call it outside a torch.distributed process group: within one, transformers writes only on rank 0.
 
     Raises:
-        MergeError: as ``read_dcp_state``; no ``config.json``; state keys that are not the model's.
+        MergeError: as ``read_dcp_state``; no ``config.json``; state keys or shapes that are not the model's.
     """
     from sync_service.merge.export import COPIED_FILES
 

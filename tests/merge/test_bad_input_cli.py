@@ -207,3 +207,20 @@ def test_dcp_inputs_refused_in_one_line(capsys, good, tmp_path):
     _merge_fails(capsys, foreign, foreign, tmp_path / "o2", "without config.json", "save_pretrained")
     shutil.copy2(base / "config.json", foreign / "config.json")
     _merge_fails(capsys, foreign, good[1], tmp_path / "o3", "is not the", "unexpected ['model.w']")
+
+
+def test_dcp_shapes_not_its_config_refused_in_one_line(capsys, good, tmp_path):
+    """A DCP of the model's own keys whose shapes are not its config.json's (a config of another size saved
+    beside it): one line naming the key, both shapes and the fix; nothing written."""
+    import torch.distributed.checkpoint as dcp
+    import transformers
+
+    base, _ = good
+    state = dict(transformers.AutoModelForCausalLM.from_pretrained(str(base)).state_dict())
+    state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"][:-1].clone()
+    ckpt = tmp_path / "ckpt"
+    dcp.save(state, checkpoint_id=str(ckpt), no_dist=True)
+    shutil.copy2(base / "config.json", ckpt / "config.json")
+    capsys.readouterr()  # from_pretrained's own progress bar above
+    _merge_fails(capsys, ckpt, ckpt, tmp_path / "out", "shapes are not those of its config.json",
+                 "model.embed_tokens.weight", "torch.Size([63, 16])", "model.config.save_pretrained")
