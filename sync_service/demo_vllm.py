@@ -20,21 +20,7 @@ from sync_service.progress import Steps
 from sync_service.sync_cli import (MAX_NEW_TOKENS, PROMPTS, RunConfig, VersionRow, announce_metrics, print_row,
                                    run_and_report)
 
-__all__ = ["execute_vllm", "merged_versions", "peft_versions"]
-
-
-def merged_versions(base: Path, adapter: Path, versions: int, work: Path) -> dict[int, Path]:
-    """``weightsync merge`` output (``hf`` target) of each version, factors stepped as the trainers do."""
-    from sync_service.local import AdapterReplay
-    from sync_service.merge.export import merge_checkpoint
-
-    replay, out = AdapterReplay(adapter), {}
-    for v in range(versions):
-        if v:
-            replay.step(v)
-        out[v] = work / f"v{v}" / "merged"
-        merge_checkpoint(base, replay.save(work / f"v{v}" / "adapter"), out[v], target="hf", progress=False)
-    return out
+__all__ = ["execute_vllm", "peft_versions"]
 
 
 def peft_versions(base: Path, adapter: Path, versions: int, work: Path) -> dict[int, Path]:

@@ -4,9 +4,10 @@ With ``--vllm-url`` (one or more) the run syncs into those running servers (each
 weightsync backend, serving ``--base`` in its dtype); without, it starts ``--engines`` local CPU
 servers itself (``launch.LocalServer``) and stops them at the end. Verification per version and
 server: ``/weight_info`` reports the version, and the server's greedy ``/v1/completions`` tokens
-equal those of a fresh vLLM on the ``weightsync merge`` output of that version (the vLLM engine
-kind's oracle, ``vllm_oracle``, run before any server starts). JSON: the demo's shape plus
-``"engine": "vllm-server"``; weight fields are ``null`` (vLLM's post-load layout is not the checkpoint's).
+equal those of a fresh vLLM on PEFT's own ``merge_and_unload`` of that version (float64, cast once:
+``demo_vllm.peft_versions``, the vLLM engine kind's oracle, ``vllm_oracle``, run before any server
+starts). JSON: the demo's shape plus ``"engine": "vllm-server"``; weight fields are ``null`` (vLLM's
+post-load layout is not the checkpoint's).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def run_server(cfg: RunConfig, launcher) -> list[VersionRow]:
     import ray
 
     from sync_service.api import SyncConfig, WeightSync
-    from sync_service.demo_vllm import merged_versions
+    from sync_service.demo_vllm import peft_versions
     from sync_service.vllm_oracle import fresh_tokens
     from sync_service.sync_cli import start_ray
 
@@ -63,8 +64,8 @@ def run_server(cfg: RunConfig, launcher) -> list[VersionRow]:
     steps = Steps(4 + cfg.versions)
     with contextlib.ExitStack() as stack:
         stack.callback(shutil.rmtree, tmp, True)
-        steps.step(f"merging {cfg.versions} version(s) and decoding them on fresh vLLM engines (the oracle)")
-        merged = merged_versions(cfg.base, cfg.adapter, cfg.versions, cfg.work_dir or tmp / "work")
+        steps.step(f"merging {cfg.versions} version(s) with PEFT and decoding them on fresh vLLM engines (the oracle)")
+        merged = peft_versions(cfg.base, cfg.adapter, cfg.versions, cfg.work_dir or tmp / "work")
         expected = fresh_tokens({str(v): d for v, d in merged.items()}, PROMPTS, MAX_NEW_TOKENS,
                                 timeout_s=max(600.0, cfg.timeout_s))
         steps.step("vLLM server(s): " + ("connecting" if cfg.vllm_urls else f"starting {cfg.engines} on this machine"))

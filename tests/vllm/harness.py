@@ -6,8 +6,9 @@ Versions (per dtype):
 - ``v_mixed``: LoRA on ``q_proj``/``v_proj`` (not ``k_proj``: a delta that covers only part of vLLM's
   ``qkv_proj``) and on the fused expert tensors (``target_parameters``).
 - ``v_experts``: LoRA on the expert tensors only.
-Merged checkpoints are written by the merge core (``merge_checkpoint``, ``hf`` target); the values
-pushed to the engine come from ``MergedSource`` in the same naming.
+Merged checkpoints are PEFT's ``merge_and_unload`` in float64, cast once (``peft_oracle.save_peft_merged``),
+never weightsync's merge; the values pushed to the engine are read from those same checkpoints, so the
+engine under test and the fresh oracle engines hold the same bytes.
 """
 
 from __future__ import annotations
@@ -48,15 +49,14 @@ class Checkpoints:
 
 
 def make_checkpoints(root: Path, dtype: str) -> Checkpoints:
-    from sync_service.merge.export import merge_checkpoint
+    from sync_service.merge.peft_oracle import save_peft_merged
     from sync_service.synthetic import make_adapter, make_base
 
     base = make_base("qwen3_moe", root / "base", dtype=dtype, hidden=64, intermediate=32, vocab_size=256, scale=0.1)
     adapters, merged = {}, {}
     for version, kwargs in ADAPTERS.items():
         adapters[version] = make_adapter("qwen3_moe", base, root / f"lora_{version}", r=4, lora_alpha=16, init_scale=0.3, **kwargs)
-        merge_checkpoint(base, adapters[version], root / version, target="hf", progress=False)
-        merged[version] = root / version
+        merged[version] = save_peft_merged(base, adapters[version], root / version)
     return Checkpoints(dtype=dtype, base=base, merged=merged, adapters=adapters)
 
 
@@ -79,16 +79,8 @@ def reference_outputs(ckpts: Checkpoints, workdir: Path, timeout_s: float = 600)
 
 
 def hf_tensors(ckpts: Checkpoints, version: str) -> dict[str, torch.Tensor]:
-    """Merged tensors of ``version`` in hf naming (``base``: the base checkpoint's tensors)."""
-    from sync_service.merge.adapter import load_adapter
-    from sync_service.merge.base import SafetensorsBase
-    from sync_service.merge.source import MergeConfig, MergedSource
-
-    base = SafetensorsBase(ckpts.base)
-    adapter = None
-    if version != "base":
-        adapter = load_adapter(ckpts.adapters[version], base.layout, base.metas(), tied_aliases=base.tied_aliases)
-    return dict(MergedSource(base, adapter, config=MergeConfig()).iter_tensors("hf"))
+    """The tensors of ``version``'s PEFT-merged checkpoint in hf naming (``base``: the base checkpoint's)."""
+    return checkpoint_tensors(ckpts.base if version == "base" else ckpts.merged[version])
 
 
 def checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:

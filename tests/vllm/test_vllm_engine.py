@@ -1,8 +1,9 @@
 """VLLMEngine against fresh vLLM engines on merged checkpoints (fp32 and bf16).
 
 One engine under test per dtype (module-scoped, reused by every test); the oracle is a plain
-``vllm.LLM`` started fresh on each merged checkpoint, in one subprocess before the engine under
-test starts (``reference.py``). Equality is exact: tokens and float logprobs.
+``vllm.LLM`` started fresh on each of PEFT's merged checkpoints (float64, cast once), in one subprocess
+before the engine under test starts (``reference.py``); the engine gets the same checkpoints' tensors.
+Equality is exact: tokens and float logprobs.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """2 EP trainer shards → WeightSync → one vLLM rollout engine (``RolloutEngine(engine="vllm")``).
 
 The trainers stream hf-fused tensors; the engine's ``FusedVLLMEngine`` cuts them into vLLM's
-checkpoint naming. Oracle: a fresh plain vLLM on the ``weightsync merge`` output of each version
-(subprocess, before the engine under test starts: one vLLM engine at a time). Equality is exact on
-greedy tokens, and the oracle's versions differ from the base so a missed sync fails.
+checkpoint naming. Oracle: a fresh plain vLLM on PEFT's ``merge_and_unload`` (float64, cast once) of
+each version (``demo_vllm.peft_versions``; subprocess, before the engine under test starts: one vLLM
+engine at a time). Equality is exact on greedy tokens, and the oracle's versions differ from the base
+so a missed sync fails.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ VERSIONS = 2
 
 def test_two_ep_trainers_to_one_vllm_engine_two_versions(tmp_path: Path) -> None:
     from sync_service.api import SyncConfig, WeightSync
-    from sync_service.demo_vllm import merged_versions
+    from sync_service.demo_vllm import peft_versions
     from sync_service.vllm_oracle import fresh_tokens
     from actors.launch import start_engines, start_trainers
     from sync_service.synthetic import make_adapter, make_base
@@ -34,7 +35,7 @@ def test_two_ep_trainers_to_one_vllm_engine_two_versions(tmp_path: Path) -> None
     base = make_base("qwen3_moe", tmp_path / "base", hidden=64, intermediate=32, num_experts=4, vocab_size=128, scale=0.1)
     adapter = make_adapter("qwen3_moe", base, tmp_path / "lora", kind="target_parameters", r=4, lora_alpha=16,
                            init_scale=0.3, seed=1)
-    merged = merged_versions(Path(base), Path(adapter), VERSIONS, tmp_path / "work")
+    merged = peft_versions(Path(base), Path(adapter), VERSIONS, tmp_path / "work")
     expected = fresh_tokens({"base": base, **{str(v): d for v, d in merged.items()}}, PROMPTS, MAX_NEW_TOKENS)
     assert expected["0"] != expected["base"], "the adapter does not change the greedy tokens; the test would not see a sync"
 
@@ -54,5 +55,5 @@ def test_two_ep_trainers_to_one_vllm_engine_two_versions(tmp_path: Path) -> None
             assert metrics.full == (v == 0)
             gens = [ray.get(engine.generate.remote(list(p), MAX_NEW_TOKENS), timeout=120) for p in PROMPTS]
             assert [g[1] for g in gens] == [v] * len(PROMPTS)
-            assert [g[0] for g in gens] == expected[str(v)], f"version {v}: tokens differ from a fresh vLLM on its merge output"
+            assert [g[0] for g in gens] == expected[str(v)], f"version {v}: tokens differ from a fresh vLLM on PEFT's"
         sync.close()
