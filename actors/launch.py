@@ -42,7 +42,8 @@ def start_trainers(base_dir: str | Path, adapter_dir: str | Path | None, *, ep: 
     cls = actor_class or TrainerShard
     shards = reuse or [cls.options(**opts[r]).remote(base_dir=str(base_dir), adapter_dir=adapter, rank=r, ep=ep, tp=tp,
                                                      gather_timeout_s=timeout_s) for r in range(world)]
-    host, port = ray.get(shards[0].rendezvous_address.remote(), timeout=timeout_s)
+    peers = ray.get([s.node_address.remote() for s in shards[1:]], timeout=timeout_s)
+    host, port = ray.get(shards[0].rendezvous_address.remote(peers), timeout=timeout_s)  # reachable by every rank
     settings = [dict(base_dir=str(base_dir), adapter_dir=adapter, rank=r, ep=ep, tp=tp) for r in range(world)]
     ray.get([s.setup.remote(host, port, timeout_s, **(settings[r] if reuse else {})) for r, s in enumerate(shards)],
             timeout=timeout_s + 30)

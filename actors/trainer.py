@@ -12,6 +12,7 @@ later factor changes never leak into it.
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 
@@ -50,12 +51,21 @@ class TrainerShardCore:
         self._rendezvous = None  # rank 0: the trainer group's reserved listening socket (rendezvous_address)
 
     # -- setup -----------------------------------------------------------------------------
-    def rendezvous_address(self, host: str = "127.0.0.1") -> tuple[str, int]:
-        """Reserve the trainer group's rendezvous: a socket listening on ``host`` only (never every
-        interface), on a port the OS picks; kept open until ``setup`` hands it to the group's
-        TCPStore, so no other process can take the port in between. Call on rank 0."""
-        from sync_service.transports.store import bind_listener
+    def node_address(self) -> str:
+        """The address of this actor's Ray node (what its peers reach it by)."""
+        return ray.util.get_node_ip_address()
 
+    def rendezvous_address(self, peers: Sequence[str] = ()) -> tuple[str, int]:
+        """Reserve the trainer group's rendezvous on one address only (never every interface):
+        ``127.0.0.1`` when every peer rank's node address (``peers``) is this host's own, else this host's
+        address on the route toward the first one that is not (``store.local_address_toward``: ranks on
+        other hosts cannot reach a loopback store). A port the OS picks; the socket stays open until
+        ``setup`` hands it to the group's TCPStore, so no other process takes the port in between.
+        Call on rank 0. Raises TransportError when a peer is unroutable from here."""
+        from sync_service.transports.store import bind_listener, local_address_toward
+
+        routes = [(peer, local_address_toward(peer, 0)) for peer in peers]
+        host = next((route for peer, route in routes if route != peer), "127.0.0.1")  # toward itself: the peer
         if self._rendezvous is not None:
             self._rendezvous.close()
         self._rendezvous = bind_listener(host, None)
