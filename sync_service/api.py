@@ -22,7 +22,6 @@ parameter table before any byte moves (``PlanMismatchError``).
 from __future__ import annotations
 
 import concurrent.futures
-import math
 import threading
 import time
 from collections.abc import Sequence
@@ -115,8 +114,9 @@ class SyncConfig:
                              f"or None")
         if self.accumulate_dtype not in ("float32", "float64"):
             raise ValueError(f"SyncConfig.accumulate_dtype={self.accumulate_dtype!r}; use 'float32' or 'float64'")
-        if not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
-            raise ValueError(f"SyncConfig.timeout_s={self.timeout_s} must be a finite number of seconds > 0")
+        if not 0 < self.timeout_s <= defaults.MAX_TIMEOUT_S:  # also NaN
+            raise ValueError(f"SyncConfig.timeout_s={self.timeout_s} must be a finite number of seconds > 0 and "
+                             f"<= {defaults.MAX_TIMEOUT_S:.0f} (a week)")
         FactorPolicy(mode=self.mode, factor_memory_bytes=self.factor_memory_bytes,
                      experts_per_recipe=self.experts_per_recipe)  # raises ValueError naming the field
         if self.max_in_flight < 1 or self.max_staleness < 0:

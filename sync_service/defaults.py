@@ -12,6 +12,8 @@ SMALL_MODEL_BUCKET_BYTES = 1 << 20
 still travels as several buckets (double buffering at work) in small shared-memory segments."""
 TIMEOUT_S = 120.0
 """``SyncConfig.timeout_s``, ``--timeout`` and ``sync.timeout_s``: bound of every blocking step, seconds."""
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+"""The longest ``timeout_s`` accepted, seconds (a week): Python's thread and socket waits overflow past ~9.2e9 s."""
 DELTA = True
 """``SyncConfig.delta`` and ``sync.delta``: after a full sync, send only the tensors the adapter changes."""
 RAY_WORKER_ENV = {"OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1",

@@ -7,6 +7,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from sync_service.defaults import MAX_TIMEOUT_S
 from sync_service.netns import parse_rate
 
 __all__ = ["BenchConfig", "LINK_ROW_KINDS", "Placement", "Row", "ROW_KINDS", "guarded"]
@@ -105,8 +106,9 @@ class BenchConfig:
         if self.links and not self.link_sizes():
             raise ValueError(f"BenchConfig: links={self.links} but no size of {self.sizes} is <= link_max_size="
                              f"{self.link_max_size}; add size 1 or raise link_max_size")
-        if not 0 < self.timeout_s < float("inf"):  # also refuses NaN
-            raise ValueError(f"BenchConfig.timeout_s={self.timeout_s} must be a finite number of seconds > 0")
+        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:  # also refuses NaN
+            raise ValueError(f"BenchConfig.timeout_s={self.timeout_s} must be a finite number of seconds > 0 and "
+                             f"<= {MAX_TIMEOUT_S:.0f} (a week)")
         for flag, out in (("--json", self.json_path), ("--plot", self.plot_path)):
             if out is not None and not Path(out).parent.is_dir():  # checked before a run of minutes, not after
                 raise ValueError(f"{flag} {out}: directory {Path(out).parent} does not exist; create it or choose "

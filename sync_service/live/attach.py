@@ -13,7 +13,6 @@ every rank, before any byte moves, naming the parameter and the fix.
 from __future__ import annotations
 
 import hashlib
-import math
 import operator
 import uuid
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from datetime import timedelta
 
 import torch
 
+from sync_service.defaults import MAX_TIMEOUT_S
 from sync_service.live.base import ExpertBlock
 from sync_service.live.endpoint import TrainerEndpoint
 from sync_service.live.handle import EndpointHandle, register
@@ -82,8 +82,9 @@ def build_endpoint(model, *, group, rank: int, world: int, expert_range=None, ad
     Raises:
         As ``attach_trainer``.
     """
-    if not 0 < timeout_s < math.inf:  # also NaN; the same on every rank (before any collective)
-        raise AttachError(f"attach_trainer: timeout_s={timeout_s!r} must be a finite number of seconds > 0")
+    if not 0 < timeout_s <= MAX_TIMEOUT_S:  # also NaN; the same on every rank (before any collective)
+        raise AttachError(f"attach_trainer: timeout_s={timeout_s!r} must be a finite number of seconds > 0 and "
+                          f"<= {MAX_TIMEOUT_S:.0f} (a week)")
     error, state, shape_digest, experts_at = None, None, 0, None
     try:
         experts_at = _expert_range(expert_range)

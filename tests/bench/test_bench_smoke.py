@@ -88,6 +88,7 @@ def test_bad_settings_are_refused_with_the_value():
 @pytest.mark.parametrize("flags, message", [
     (["--timeout", "0"], "timeout_s=0.0 must be a finite number of seconds > 0"),
     (["--timeout", "nan"], "timeout_s=nan must be a finite number of seconds > 0"),
+    (["--timeout", "1e10"], "timeout_s=10000000000.0 must be a finite number of seconds > 0 and <= 604800"),
     (["--json", "{missing}/r.json"], "--json {missing}/r.json: directory {missing} does not exist"),
     (["--plot", "{missing}/p.png"], "--plot {missing}/p.png: directory {missing} does not exist"),
 ])

@@ -15,6 +15,7 @@ from sync_service.synthetic import make_base
 @pytest.mark.parametrize("kwargs,match", [
     ({"timeout_s": math.nan}, "timeout_s=nan"),
     ({"timeout_s": math.inf}, "timeout_s=inf"),
+    ({"timeout_s": 1e10}, "timeout_s=10000000000.0 must be a finite number of seconds > 0 and <= 604800"),
     ({"timeout_s": "10"}, "timeout_s='10' must be int or float"),
     ({"timeout_s": True}, "timeout_s=True"),
     ({"bucket_bytes": 64.0}, "bucket_bytes=64.0 must be int"),
@@ -79,6 +80,7 @@ def _sync_fails(capsys, argv: list[str], *fragments: str) -> str:
     (["--bucket-bytes", "0"], ("--bucket-bytes=0",)),
     (["--timeout", "nan"], ("--timeout=nan", "finite")),
     (["--timeout", "-1"], ("--timeout=-1",)),
+    (["--timeout", "1e308"], ("--timeout=1e+308", "<= 604800 (a week)")),
     (["--json", "/nonexistent-dir/x/out.json"], ("--json", "does not exist")),
 ])
 def test_sync_bad_flags_exit_2_before_ray(base, capsys, argv, fragments):

@@ -51,6 +51,7 @@ def test_adapter_name_that_does_not_exist(tiny):
     ({"expert_range": (2, 2)}, r"expert_range=\(2, 2\) must be two ints"),
     ({"timeout_s": float("nan")}, r"timeout_s=nan must be a finite number of seconds > 0"),
     ({"timeout_s": 0}, r"timeout_s=0 must be a finite number of seconds > 0"),
+    ({"timeout_s": 1e12}, r"timeout_s=1000000000000.0 must be a finite number of seconds > 0 and <= 604800"),
 ])
 def test_bad_expert_range_or_timeout(tiny, kw, message):
     """Refused as AttachError naming the argument (before the ranks' all-gather, whose int64 row a
