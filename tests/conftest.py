@@ -23,3 +23,16 @@ def peft_oracle():
     from tests.oracle import OracleCache
 
     return OracleCache()
+
+
+@pytest.fixture(scope="module")
+def trainer_pool(ray_local):
+    """Two empty ``TrainerShard`` actors a module reloads per case (``start_trainers(..., reuse=pool)``)."""
+    import ray
+
+    from actors.trainer import TrainerShard
+
+    pool = [TrainerShard.remote(base_dir="", adapter_dir=None) for _ in range(2)]
+    yield pool
+    for actor in pool:
+        ray.kill(actor)

@@ -38,16 +38,6 @@ def files(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def trainer_pool(ray_local):
-    """Two TrainerShard actors reloaded by each test (``setup(..., base_dir=..., ep=..., tp=...)``)."""
-    from actors.trainer import TrainerShard
-
-    pool = [TrainerShard.remote(base_dir="", adapter_dir=None) for _ in range(2)]
-    yield pool
-    kill(pool)
-
-
-@pytest.fixture(scope="module")
 def engines(ray_local, files):
     _, by_family = files
     return {"qwen3_moe": start_engines(by_family["qwen3_moe"][0], 2, prefix="qwen"),

@@ -34,17 +34,6 @@ CASES = [pytest.param(f, ("float32", "bfloat16")[i % 2], bool(i // 2 % 2), id=f"
                       f"{'-rslora' if i // 2 % 2 else ''}") for i, f in enumerate(FAMILIES)]
 
 
-@pytest.fixture(scope="module")
-def trainer_pool(ray_local):
-    """Two TrainerShard actors, reloaded for each family (``start_trainers(..., reuse=pool)``)."""
-    from actors.trainer import TrainerShard
-
-    pool = [TrainerShard.remote(base_dir="", adapter_dir=None) for _ in range(2)]
-    yield pool
-    for actor in pool:
-        ray.kill(actor)
-
-
 class EnginePool:
     """One engine actor per family, started ``ahead`` families in advance (an engine process takes most
     of a case's time to import torch + transformers; they start in parallel, bounded for memory)."""

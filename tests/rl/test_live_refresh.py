@@ -36,16 +36,6 @@ def engines(ray_local, files):
     return start_engines(files[0], 2, prefix="live")
 
 
-@pytest.fixture(scope="module")
-def trainer_pool(ray_local):
-    from actors.trainer import TrainerShard
-
-    pool = [TrainerShard.remote(base_dir="", adapter_dir=None) for _ in range(2)]
-    yield pool
-    for s in pool:
-        ray.kill(s)
-
-
 @pytest.fixture
 def trainers(files, engines, trainer_pool):
     """EP=2 trainer shards reloaded with the adapter's initial factors for each test."""

@@ -52,17 +52,6 @@ def cases(request, tmp_path_factory):
     return files, fresh_outputs(runs, PROMPTS, MAX_NEW_TOKENS, timeout_s=3000)
 
 
-@pytest.fixture(scope="module")
-def trainer_pool(ray_local):
-    """Two TrainerShard actors, reloaded for each family (``start_trainers(..., reuse=pool)``)."""
-    from actors.trainer import TrainerShard
-
-    pool = [TrainerShard.remote(base_dir="", adapter_dir=None) for _ in range(2)]
-    yield pool
-    for actor in pool:
-        ray.kill(actor)
-
-
 def _outputs(engine) -> list[dict]:
     outs = [ray.get(engine.generate_logprobs.remote(list(p), MAX_NEW_TOKENS), timeout=300) for p in PROMPTS]
     return [{"tokens": t, "logprobs": lp, "version": v} for t, lp, v in outs]
