@@ -6,6 +6,8 @@ once; ``tests.oracle``), and bitwise against an engine's own earlier state where
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import ray
@@ -16,6 +18,22 @@ from tests.ray_session import local_ray
 
 E = 4
 TIMEOUT_S = 10.0
+
+
+def kill_and_wait(actor, timeout_s: float = 60.0) -> None:
+    """``ray.kill`` and wait until Ray reports the actor dead (the kill is asynchronous: a call made
+    right after it may still be answered). Raises AssertionError if it still answers after ``timeout_s``."""
+    ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=max(0.1, deadline - time.monotonic()))
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            break
+        time.sleep(0.05)
+    raise AssertionError(f"actor {actor} still answers {timeout_s} s after ray.kill")
 
 
 @pytest.fixture(scope="package")

@@ -15,7 +15,7 @@ import ray
 from protocols.endpoints import EndpointDiedError, EndpointTimeoutError
 from sync_service.api import SyncConfig, SyncError, WeightSync
 from tests.faults import inject
-from tests.faults.conftest import assert_equal_state, assert_oracle_state, engine_state
+from tests.faults.conftest import assert_equal_state, assert_oracle_state, engine_state, kill_and_wait
 
 pytestmark = pytest.mark.faults
 
@@ -49,7 +49,7 @@ def test_dead_engine_at_reopen_is_dropped_and_never_blocks_the_others(pool):
         sync.push(v0)
         served_v0 = engine_state(e0)
         sync.remove_engine(e0)  # the channel must open again for the next push
-        ray.kill(e2, no_restart=True)
+        kill_and_wait(e2)
         pushed = []
         for step in range(1, 5):
             replay.step(trainers, step)
@@ -79,7 +79,7 @@ def test_remove_engine_on_a_dead_member_and_engine_versions_survive(pool):
     try:
         v = pool.next_version()
         sync.push(v)
-        ray.kill(engines[1], no_restart=True)
+        kill_and_wait(engines[1])
         assert sync.engine_versions() == {names[0]: v}
         sync.remove_engine(engines[1])  # a dead member: removed without a call reaching it
         with pytest.raises(ValueError, match="not a member"):
@@ -108,7 +108,7 @@ def test_failed_or_second_weightsync_never_breaks_the_first(pool):
         text = str(err.value)
         assert text.startswith("engine ") and "open_transport failed: TimeoutError: shm segment" in text, text
         dead = pool.engines[2]
-        ray.kill(dead, no_restart=True)
+        kill_and_wait(dead)
         with pytest.raises(EndpointDiedError, match="param_metas failed: ActorDiedError"):
             WeightSync(trainers=trainers, engines=[*engines, dead], config=config())
         assert "\x1b[" not in text and "Traceback" not in text and "\n" not in text, text
