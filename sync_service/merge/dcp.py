@@ -64,6 +64,7 @@ def read_dcp_state(path: str | Path) -> dict[str, torch.Tensor]:
             or data files DCP cannot read (the message names the directory and the error).
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     path = Path(path)
@@ -84,7 +85,7 @@ def read_dcp_state(path: str | Path) -> dict[str, torch.Tensor]:
         raise MergeError(f"{path}: cannot hold its tensors ({' '.join(str(exc).split())[:200]})") from None
     try:
         dcp.load(state, storage_reader=_reader(path), no_dist=True)
-    except Exception as exc:  # noqa: BLE001 - DCP wraps every read error in its own exception types
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's wrapper is a BaseException
         raise MergeError(f"{path}: torch.distributed.checkpoint cannot read it ({type(exc).__name__}: "
                          f"{' '.join(str(exc).split())[:300]})") from None
     return state

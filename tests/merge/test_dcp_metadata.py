@@ -135,3 +135,14 @@ def test_anything_else_is_refused_naming_it(tmp_path):
             (name, message)
     assert not marker.exists()
     assert not hasattr(pathlib.PosixPath, "pwned_by_pickle")
+
+
+def test_corrupt_data_file_is_a_merge_error(tmp_path):
+    """A data file whose bytes were damaged in place (length and metadata intact): DCP raises its
+    ``CheckpointException`` (a ``BaseException``); read_dcp_state turns it into a MergeError naming the directory."""
+    good = _save({"model.w": torch.arange(6.0).reshape(2, 3)}, tmp_path / "ckpt")
+    data = good / "__0_0.distcp"
+    data.write_bytes(bytes(data.stat().st_size))  # zeros: no torch.save archive left in it
+    with pytest.raises(MergeError, match="torch.distributed.checkpoint cannot read it") as info:
+        read_dcp_state(good)
+    assert str(good) in str(info.value)
