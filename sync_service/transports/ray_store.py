@@ -172,6 +172,8 @@ class RaySender:
     def send(self, header: bytes, payload, timeout_s: float) -> None:
         """Blocks until every receiver's mailbox (in a chain: receiver 0's) took the frame; ``payload``
         may be reused then."""
+        if self.inbox is None:
+            raise PeerLostError(f"Ray transport {self.spec.name}: the sender's side was closed (the push was cancelled)")
         if payload is None or len(payload) <= INLINE_BYTES:
             body = payload  # copied into each call's arguments at submission
         else:

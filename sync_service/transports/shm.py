@@ -187,6 +187,15 @@ class ShmSender:
     def num_receivers(self) -> int:
         return self.spec.num_receivers
 
+    @property
+    def _live(self) -> _Segment:
+        """The mapped segment; ``PeerLostError`` once ``close`` ran (a cancelled push's sender thread
+        may still be waiting on a slot or a reply when another thread closes the channel)."""
+        seg = self.seg
+        if seg is None:
+            raise PeerLostError(f"shm {self.path}: the sender's side was closed (the push was cancelled)")
+        return seg
+
     def reserve(self, timeout_s: float) -> np.ndarray:
         """The writable payload area (uint8, ``bucket_bytes``) of the next frame's ring slot.
 
@@ -198,13 +207,13 @@ class ShmSender:
         n = self._next
         self._wait_slot(n, timeout_s)
         self._next = n + 1
-        return self.seg.slot(n)[2]
+        return self._live.slot(n)[2]
 
     def send(self, header: bytes, payload, timeout_s: float) -> None:
-        if len(header) > self.seg.hcap or (payload is not None and len(payload) > self.seg.payload):
-            raise ValueError(f"frame too large for the ring: header {len(header)} > {self.seg.hcap} or payload > {self.seg.payload}")
-        n = int(self.seg.g[_G_WSEQ])
-        lens, hbuf, pbuf = self.seg.slot(n)
+        if len(header) > self._live.hcap or (payload is not None and len(payload) > self._live.payload):
+            raise ValueError(f"frame too large for the ring: header {len(header)} > {self._live.hcap} or payload > {self._live.payload}")
+        n = int(self._live.g[_G_WSEQ])
+        lens, hbuf, pbuf = self._live.slot(n)
         size = 0 if payload is None else len(payload)
         if not (size and n < self._next and _same_memory(payload, pbuf)):
             self._next = n  # not a reserved view: reservations not yet sent are void
@@ -214,20 +223,20 @@ class ShmSender:
         hbuf[:len(header)] = np.frombuffer(header, dtype=np.uint8)
         lens[0], lens[1] = len(header), size
         self._next = max(self._next, n + 1)
-        self.seg.g[_G_WSEQ] = n + 1
+        self._live.g[_G_WSEQ] = n + 1
         self._maybe_unlink()
 
     def _wait_slot(self, n: int, timeout_s: float) -> None:
-        self._wait(lambda: all(int(rc[_R_READ]) + self.seg.slots > n for rc in self.seg.rc), timeout_s, "a free ring slot")
+        self._wait(lambda: all(int(rc[_R_READ]) + self._live.slots > n for rc in self._live.rc), timeout_s, "a free ring slot")
 
     def poll_reply(self, timeout_s: float) -> bytes | None:
         end, spins = time.monotonic() + timeout_s, 0
         while True:
             for k in range(self.spec.num_receivers):
                 r = (self._reply_from + k) % self.spec.num_receivers
-                rc = self.seg.rc[r]
+                rc = self._live.rc[r]
                 if int(rc[_R_RSEQ]) > int(rc[_R_RACK]):
-                    msg = bytes(self.seg.recv[r][64:64 + int(rc[_R_RLEN])])
+                    msg = bytes(self._live.recv[r][64:64 + int(rc[_R_RLEN])])
                     rc[_R_RACK] = rc[_R_RSEQ]
                     self._reply_from = r + 1
                     return msg
@@ -244,14 +253,14 @@ class ShmSender:
                 raise TimeoutError(f"shm {self.path}: no {what} within {timeout_s:.1f}s (a receiver stalled)")
             if now >= check:
                 check = now + _LIVENESS_S
-                for r, rc in enumerate(self.seg.rc):
+                for r, rc in enumerate(self._live.rc):
                     if int(rc[_R_PID]) and not _alive(int(rc[_R_PID])):
                         raise PeerLostError(f"shm {self.path}: receiver {r} (pid {int(rc[_R_PID])}) died")
             spins += 1
             _sleep(spins)
 
     def _maybe_unlink(self) -> None:
-        if not self._unlinked and all(int(rc[_R_PID]) for rc in self.seg.rc):
+        if not self._unlinked and all(int(rc[_R_PID]) for rc in self._live.rc):
             self._unlink()
 
     def _unlink(self) -> None:
@@ -260,12 +269,12 @@ class ShmSender:
         self._finalizer()
 
     def close(self) -> None:
-        if self.seg is None:
+        seg, self.seg = self.seg, None  # first: a concurrent wait sees PeerLostError, not a half-closed segment
+        if seg is None:
             return
-        self.seg.g[_G_CLOSED] = 1
+        seg.g[_G_CLOSED] = 1
         self._unlink()
-        self.seg.close()
-        self.seg = None
+        seg.close()
 
 
 class ShmReceiver:

@@ -114,6 +114,12 @@ class _Group:
     def close(self) -> None:
         self.client.close()
         self.pg = self.store = None
+        self.broken = self.broken or "closed"
+
+    def check_open(self) -> None:
+        """``PeerLostError`` once ``close`` ran (a cancelled push's sender may still call in)."""
+        if self.pg is None:
+            raise PeerLostError(f"torch_dist {self.spec.name}: this side was closed (the push was cancelled)")
 
 
 class DistSender:
@@ -131,6 +137,7 @@ class DistSender:
 
     def send(self, header: bytes, payload, timeout_s: float) -> None:
         g, end = self.g, time.monotonic() + timeout_s
+        g.check_open()
         size = 0 if payload is None else len(payload)
         if len(header) > g.header.numel() or size > g.spec.bucket_bytes:
             raise ValueError(f"frame too large: header {len(header)} / payload {size} bytes over the spec's limits")
@@ -152,6 +159,7 @@ class DistSender:
             g.bcast(src, end - time.monotonic(), "payload")
 
     def poll_reply(self, timeout_s: float) -> bytes | None:
+        self.g.check_open()
         if self.g.broken:
             raise TransportError(f"torch_dist {self.g.spec.name} is broken ({self.g.broken}); open a new spec")
         return self.g.client.pop("reply", timeout_s)

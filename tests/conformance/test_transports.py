@@ -139,6 +139,24 @@ def test_receiver_error_reaches_sender(channel):
     assert_state(channel.peers[0], src.tensors, 2)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_sender_calls_after_close_are_peer_lost(engines, kind):
+    """A cancelled push closes its channel while the sender thread may still send or wait for a reply:
+    those calls raise PeerLostError (the coordinator's 'peer lost' path), never an AttributeError of a
+    half-torn-down transport; close twice is harmless."""
+    ch = Channel(make_spec(kind), engines[:1])
+    try:
+        tx = ch.txs[0]
+        tx.close()
+        with pytest.raises(PeerLostError, match="closed"):
+            tx.send(b"header", None, 1.0)
+        with pytest.raises(PeerLostError, match="closed"):
+            tx.poll_reply(0.1)
+        tx.close()
+    finally:
+        ch.close()
+
+
 MANY = [(f"w{i}", "float32", [16], False) for i in range(200)]
 
 
