@@ -119,7 +119,7 @@ class Sender:
         """Send this sender's part of ``plan`` (``names``: delta subset) for ``version``.
 
         Blocks until every receiver acked. Raises RemoteSyncError (a receiver's error text),
-        TimeoutError, PeerLostError, or the source's own error; in every case receivers were told
+        TimeoutError, PeerLostError, or the source's own error; in every case receivers still inside the stream were told
         to abort (as far as reachable) and the next ``send_sync`` starts clean.
         """
         if plan.bucket_bytes != self.pool.bucket_bytes:
@@ -134,6 +134,7 @@ class Sender:
         reserve = getattr(self.transport, "reserve", None)  # transport-lent buffers: fill in place
         times, payload_bytes, digest = [0.0, 0.0, 0.0], 0, RunningChecksum()
         held = None  # a pool buffer acquired but not yet queued: released if packing or queueing fails
+        streamed = False
         try:
             if reserve is not None:  # sent before any slot is reserved (frames go out in reservation order)
                 self.transport.send(encode(begin), None, deadline.left("sending begin"))
@@ -155,13 +156,15 @@ class Sender:
             worker.put(encode(Commit(session=session, version=version, sender=self.sender,
                                      num_buckets=len(buckets), payload_bytes=payload_bytes)), None, None)
             worker.finish()
+            streamed = True  # the stream ended (Commit sent): every receiver ends its stream without an Abort
             ta = time.perf_counter()
             self._await_acks(worker, deadline)
         except BaseException as exc:
             if held is not None:
                 self.pool.release(held)
             worker.stop()
-            self._abort(session, version, exc)
+            if not streamed:  # after Commit an Abort frame would be a stale frame in the channel (torch_dist:
+                self._abort(session, version, exc)  # a broadcast no receiver posts, so the group went out of step)
             raise
         return SendStats(session=session, version=version, buckets=len(buckets),
                          entries=sum(len(b) for b in buckets), payload_bytes=payload_bytes, pack_s=times[0] + times[1],

@@ -128,10 +128,17 @@ def test_receiver_error_reaches_sender(channel):
     load(channel, BASE, 0)
     ray.get(channel.peers[0].fail_next.remote("big"))
     t = time.monotonic()
+    src = TensorSource(make_tensors(BASE, 1))
+    plan = build_plan(src.param_metas(), bucket_bytes=BUCKET_BYTES)
+    failing = channel.peers[0].receive.remote(60.0)
     with pytest.raises(RemoteSyncError, match="injected engine failure while applying big"):
-        sync(channel, BASE, 1, version=1, timeout_s=60.0)
+        Sender(channel.txs[0], BucketPool(bucket_bytes=BUCKET_BYTES)).send_sync("s1", 1, src, plan, timeout_s=60.0)
     # The receiver's error ends the sync; the sender never waits out its 60 s timeout.
     assert time.monotonic() - t < 30.0
+    # The engine's failed receive (it drains the sync's remaining frames) ends before the next sync starts
+    # (the peer serves two calls at once: a receive started now would read the drained sync's frames).
+    res = ray.get(failing, timeout=60)
+    assert not res["ok"] and "injected engine failure while applying big" in res["text"], res
     version, _, _ = ray.get(channel.peers[0].state.remote())
     assert version is None
     _, (res,), src = sync(channel, BASE, 2, version=2)
