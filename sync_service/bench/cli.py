@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     goals.update({f"{link} {name}": g for link, part in report["links"].items() for name, g in part["goals"].items()})
     for name, g in goals.items():
         value = g["value"] if not isinstance(g["value"], float) else round(g["value"], 3)
-        print(f"{name}: {json.dumps(value)} (goal {g['goal']}): {'met' if g['met'] else 'MISSED' if g['met'] is False else 'not run'}")
+        print(f"{name}: {json.dumps(value)} (goal {g['goal']}): {_verdict(g['met'], cfg.quick)}")
     for f in report["failed"]:
         print(f"FAILED: {f['row']} at {f['size']}x: {f['error']}")
     if cfg.json_path is not None:
@@ -123,3 +123,13 @@ def _check_links(cfg: BenchConfig) -> None:
         why = available()
         if why is not None:
             raise ValueError(f"--link needs network namespaces here: {why}")
+
+
+def _verdict(met: bool | None, quick: bool) -> str:
+    """A goal's word: the goals are set for the 1x+ models; ``--quick`` models (a few MB, a 64 MiB
+    bucket) only smoke-test the rows, so their ratios are shown but not judged."""
+    if met is None:
+        return "not run"
+    if quick:
+        return "n/a (--quick models are too small to judge; run --sizes 1)"
+    return "met" if met else "MISSED"

@@ -188,6 +188,9 @@ def _write_output(source: MergedSource, target: str, shards: list[list[tuple[str
         umask = os.umask(0)
         os.umask(umask)
         tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700; the output is an ordinary directory
+        for path in tmp.iterdir():  # safetensors writes 0600: readable by a server running as another user
+            if path.is_file():
+                path.chmod(0o666 & ~umask)
         if out_dir.exists():
             out_dir.rmdir()
         tmp.rename(out_dir)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -138,6 +139,10 @@ def test_merge_cli_shards_index_and_from_pretrained(mixtral_dir, tmp_path, capsy
     assert all(t.dtype == torch.bfloat16 for t in _read(tmp_path / "out").values())
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
     assert model.dtype == torch.bfloat16
+    umask = os.umask(0o022)
+    os.umask(umask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "out").iterdir()}
+    assert modes and all(m == 0o666 & ~umask for m in modes.values()), modes  # ordinary files, as the umask says
     rc = cli_main(["merge", "--base", str(mixtral_dir), "--adapter", str(tmp_path / "ad"), "--out", str(tmp_path / "out")])
     assert rc == 2 and "not an empty directory" in capsys.readouterr().err
 

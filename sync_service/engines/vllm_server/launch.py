@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -57,6 +58,8 @@ class LocalServer:
     url: str
     process: subprocess.Popen
     log_path: Path
+    scratch: Path | None = None
+    """The log directory ``start`` made itself (no ``log_dir`` given): removed by ``stop``."""
 
     @classmethod
     def start(cls, model_dir: str | Path, *, dtype: str, timeout_s: float = 300.0, with_backend: bool = True,
@@ -68,7 +71,8 @@ class LocalServer:
             RuntimeError: the server exited or did not answer in time (the log's tail in the message).
         """
         port = free_port()
-        log_dir = Path(log_dir or tempfile.mkdtemp(prefix="wsvllmserver"))
+        scratch = None if log_dir else Path(tempfile.mkdtemp(prefix="wsvllmserver"))
+        log_dir = Path(log_dir or scratch)
         log_path = log_dir / f"vllm-server-{port}.log"
         full_env = {**os.environ, **CPU_ENV, **(env or {})}
         with open(log_path, "wb") as log:
@@ -76,7 +80,7 @@ class LocalServer:
                                                    api_key=api_key, extra_args=extra_args),
                                     cwd=log_dir, env=full_env, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
-        server = cls(url=f"http://127.0.0.1:{port}", process=proc, log_path=log_path)
+        server = cls(url=f"http://127.0.0.1:{port}", process=proc, log_path=log_path, scratch=scratch)
         server.wait_ready(timeout_s, api_key=api_key)
         return server
 
@@ -85,15 +89,17 @@ class LocalServer:
         end = time.monotonic() + timeout_s
         while time.monotonic() < end:
             if self.process.poll() is not None:
+                tail = self.log_tail()
                 self.stop()
-                raise RuntimeError(f"vLLM server exited with {self.process.returncode}:\n{self.log_tail()}")
+                raise RuntimeError(f"vLLM server exited with {self.process.returncode}:\n{tail}")
             try:
                 client.get("/health")
                 return
             except ServerError:
                 time.sleep(1.0)
+        tail = self.log_tail()
         self.stop()
-        raise RuntimeError(f"vLLM server at {self.url} did not answer /health within {timeout_s:.0f} s:\n{self.log_tail()}")
+        raise RuntimeError(f"vLLM server at {self.url} did not answer /health within {timeout_s:.0f} s:\n{tail}")
 
     def log_tail(self, chars: int = 4000) -> str:
         try:
@@ -108,19 +114,24 @@ class LocalServer:
         self.process.wait(timeout=30)
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM, then SIGKILL after ``timeout_s``; the process group goes with it. Idempotent."""
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=timeout_s)
-                return
-            except subprocess.TimeoutExpired:
-                pass
+        """SIGTERM, then SIGKILL after ``timeout_s``; the process group goes with it, and the log
+        directory ``start`` made itself. Idempotent."""
         try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.process.wait(timeout=30)
+            if self.process.poll() is None:
+                os.killpg(self.process.pid, signal.SIGTERM)
+                try:
+                    self.process.wait(timeout=timeout_s)
+                    return
+                except subprocess.TimeoutExpired:
+                    pass
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.process.wait(timeout=30)
+        finally:
+            if self.scratch is not None and self.process.poll() is not None:
+                shutil.rmtree(self.scratch, ignore_errors=True)
 
     def __enter__(self) -> "LocalServer":
         return self
