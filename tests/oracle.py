@@ -84,7 +84,6 @@ def assert_engines_bitwise(engines, expected: Mapping, *, what: str, timeout_s: 
 def our_merge(base_dir: str | Path, replay: AdapterReplay) -> dict[str, torch.Tensor]:
     """weightsync's merge (``MergedSource``, fp32 accumulation) of the whole base + ``replay``'s adapter,
     hf-fused names: what merged mode serves. For bitwise checks between weightsync's modes only."""
-    from protocols.params import full_box
     from sync_service.merge.adapter import adapter_from_state_dict
     from sync_service.merge.base import SafetensorsBase
     from sync_service.merge.source import MergeConfig, MergedSource
@@ -92,7 +91,13 @@ def our_merge(base_dir: str | Path, replay: AdapterReplay) -> dict[str, torch.Te
     base = SafetensorsBase(base_dir, as_loaded=True)
     adapter = adapter_from_state_dict(replay.peft_config, dict(replay.state), base.layout, base.metas(),
                                       tied_aliases=base.tied_aliases)
-    source = MergedSource(base, adapter, config=MergeConfig())
+    return materialize(MergedSource(base, adapter, config=MergeConfig()))
+
+
+def materialize(source) -> dict[str, torch.Tensor]:
+    """Every tensor a ``MergedSource`` serves, filled whole (its out dtype, full box)."""
+    from protocols.params import full_box
+
     out = {}
     for m in source.param_metas():
         out[m.name] = torch.empty(m.shape, dtype=source.out_dtype(m.name))

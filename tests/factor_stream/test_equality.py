@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from protocols.params import full_box
 from sync_service.factor_stream.choose import FactorPolicy
 from sync_service.factor_stream.local import LocalSync, LocalSyncConfig
 from sync_service.local import AdapterReplay
@@ -21,17 +20,13 @@ from sync_service.merge.base import TensorDictBase
 from sync_service.merge.peft_oracle import compare_state
 from sync_service.merge.source import MergeConfig, MergedSource
 from tests.factor_stream.conftest import differing, train_step
+from tests.oracle import materialize
 
 
 def reference(model, state) -> dict[str, torch.Tensor]:
     base = TensorDictBase(model.tensors)
     adapter = adapter_from_state_dict(model.peft_config, state, model.layout, base.metas())
-    source = MergedSource(base, adapter, config=MergeConfig())
-    out = {}
-    for m in source.param_metas():
-        out[m.name] = torch.empty(m.shape, dtype=source.out_dtype(m.name))
-        source.fill(m.name, full_box(m.shape), out[m.name])
-    return out
+    return materialize(MergedSource(base, adapter, config=MergeConfig()))
 
 
 def run_both(model, *, ep=1, tp=1, versions=3, experts_per_recipe=1, bucket_bytes=8 << 10):
