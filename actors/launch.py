@@ -106,7 +106,7 @@ class RayLauncher:
         return start_server_engines(urls, **kw)
 
     def start_policy_trainers(self, base_dir, adapter_dir, **kw) -> list:
-        """``start_trainers`` of ``PolicyTrainer`` actors (the toy GRPO step, ``sync_service/rl``)."""
+        """``start_trainers`` of ``PolicyTrainer`` actors (the toy GRPO step, ``sync_service/entrypoints/rl``)."""
         from actors.policy_trainer import PolicyTrainer
 
         return start_trainers(base_dir, adapter_dir, actor_class=PolicyTrainer, **kw)

@@ -25,7 +25,7 @@ class PolicyTrainerCore(TrainerShardCore):
     def start_learner(self, lr: float, temperature: float) -> int:
         """(Re)create the learner from this rank's base + adapter directories and reset the rank's
         factors to the adapter's; returns the number of trainable tensors."""
-        from sync_service.rl.policy import PolicyLearner
+        from sync_service.entrypoints.rl.policy import PolicyLearner
 
         if self._init["adapter_dir"] is None:
             raise ValueError("PolicyTrainer needs an adapter_dir: it trains LoRA factors")

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import ray
 
-    from sync_service.sync_cli import quiet_libraries, start_ray
+    from sync_service.entrypoints.sync_cli import quiet_libraries, start_ray
 
     quiet_libraries()
     tmp = Path(tempfile.mkdtemp(prefix="wsjoin"))

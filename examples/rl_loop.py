@@ -12,9 +12,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from sync_service.rl.config import RLConfig
+from sync_service.entrypoints.rl.config import RLConfig
 from actors.launch import RayLauncher
-from sync_service.rl.run import run_demo_rl
+from sync_service.entrypoints.rl.run import run_demo_rl
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,5 @@
 """The oracle the engine tests compare with: PEFT's ``merge_and_unload`` in float64, cast once
-(``sync_service.merge.peft_oracle``), never weightsync's own merge.
+(``sync_service.verify.peft_oracle``), never weightsync's own merge.
 
 ``OracleCache`` computes it once per (base, adapter values): tests that replay the same training steps
 from the same adapter (one version reached by several test cases) share one merge. ``our_merge`` is
@@ -19,8 +19,8 @@ import numpy as np
 import ray
 import torch
 
-from sync_service.local import AdapterReplay
-from sync_service.merge.peft_oracle import compare_state, peft_merged_state
+from sync_service.entrypoints.local import AdapterReplay
+from sync_service.verify.peft_oracle import compare_state, peft_merged_state
 
 
 def adapter_digest(state: Mapping[str, torch.Tensor] | None) -> str:

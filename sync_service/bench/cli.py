@@ -78,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """``weightsync bench`` entry (see ``sync_service/cli.py``)."""
+    """``weightsync bench`` entry (see ``sync_service/entrypoints/cli.py``)."""
     import sys
 
     from sync_service.bench.link_report import links_table

@@ -48,7 +48,7 @@ def run_floor(nbytes: int, cfg: BenchConfig, size: int, model_bytes: int) -> Row
 
 
 def _factor_streaming(quick: bool) -> dict:
-    from sync_service.factor_stream.bench import factor_streaming_row
+    from sync_service.bench.factors import factor_streaming_row
 
     sizes = {} if quick else dict(num_experts=32, hidden=256, intermediate=128, num_layers=2, r=16)
     row = factor_streaming_row("qwen3_moe", dtype="bfloat16", **sizes)
@@ -71,7 +71,7 @@ def _one_host(model, cfg: BenchConfig, size: int, rows: list[Row], failed: list[
     vLLM (``--vllm``)."""
     import ray
 
-    from sync_service.sync_cli import start_ray
+    from sync_service.entrypoints.sync_cli import start_ray
 
     if not ray.is_initialized():
         start_ray(tmp / "ray")
@@ -110,7 +110,7 @@ def run_bench(cfg: BenchConfig, *, launcher, argv: list[str] | None = None, say=
     returns the report (``report.build_report``)."""
     import ray
 
-    from sync_service.sync_cli import quiet_libraries
+    from sync_service.entrypoints.sync_cli import quiet_libraries
 
     quiet_libraries()
     machine = {"cpus": os.cpu_count(), "load_before": os.getloadavg(), "argv": list(argv or [])}

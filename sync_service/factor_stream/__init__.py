@@ -6,7 +6,7 @@ See docs/scale.md and the module docstrings:
 - ``plan``: factor plans (pristine bases, recipes, merged rest), validation, delta names.
 - ``source``: trainer side ``FactorSource`` (a ``WeightSource``) and ``FactorLedger`` (delta digests).
 - ``receiver``: ``FactorEngine`` (an ``EngineAdapter`` wrapper) with resident pristine copies.
-- ``local``: the whole path in one process (``LocalSync``); ``bench``: ``factor_streaming_row``.
+- ``local``: the whole path in one process (``LocalSync``; its bench row is ``sync_service/bench/factors.py``).
 """
 
 from sync_service.factor_stream.choose import MODES, FactorChoice, FactorPolicy, TargetCost, choose

@@ -1,4 +1,5 @@
-"""Hosts on one machine (network namespaces, a shaped trainers' uplink) and a Ray cluster across them.
+"""Test hosts, not on the sync path (the tests and ``bench --link`` use them): hosts on one machine
+(network namespaces, a shaped trainers' uplink) and a Ray cluster across them.
 
 ``hosts``: ``NamespaceHosts`` builds the namespaces and tears them down; ``ray_nodes``: ``RayHosts``
 runs one Ray node per namespace host. See each module's docstring for an example.

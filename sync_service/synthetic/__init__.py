@@ -1,4 +1,4 @@
-"""Generators of tiny real MoE checkpoints and PEFT adapters, built offline.
+"""Test-input generators (not on the sync path): tiny real MoE checkpoints and PEFT adapters, built offline.
 
 Used by the tests (merge oracle matrix), the demo and the benchmarks. Nothing is downloaded: bases
 are transformers models built from config with seeded random weights (``make_base``), adapters are

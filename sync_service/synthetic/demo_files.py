@@ -1,6 +1,6 @@
 """The demo's checkpoint: a small real Qwen3-MoE and a PEFT LoRA adapter, generated once and cached.
 
-Used by ``weightsync demo`` (``sync_service.demo``), its ``--rl`` loop (``sync_service.rl.run``) and the examples.
+Used by ``weightsync demo`` (``sync_service.entrypoints.demo``), its ``--rl`` loop (``sync_service.entrypoints.rl.run``) and the examples.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from sync_service.cli import EXIT_BAD_INPUT, EXIT_INTERRUPTED, main
+from sync_service.entrypoints.cli import EXIT_BAD_INPUT, EXIT_INTERRUPTED, main
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 300.0

@@ -1,12 +1,12 @@
 """How ``weightsync`` prints an error that ended a command: one line, no colour codes, no traceback
-frames, the Ray call that raised it, and the exit status of its kind (``sync_service/cli.py``)."""
+frames, the Ray call that raised it, and the exit status of its kind (``sync_service/entrypoints/cli.py``)."""
 
 from __future__ import annotations
 
 import pytest
 
 from actors.launch import RayLauncher
-from sync_service.cli import EXIT_BAD_INPUT, EXIT_FAILED, describe, main, one_line
+from sync_service.entrypoints.cli import EXIT_BAD_INPUT, EXIT_FAILED, describe, main, one_line
 from sync_service.coordinator.metrics import SyncError
 from sync_service.merge.errors import MergeError
 
@@ -46,7 +46,7 @@ def test_ray_task_error_is_unwrapped_to_its_cause_with_the_call():
 
 
 def test_unexpected_error_is_one_line_and_traceback_flag_reraises(monkeypatch, capsys):
-    from sync_service import sync_cli
+    from sync_service.entrypoints import sync_cli
 
     def boom(args):
         raise RuntimeError("first\nsecond")

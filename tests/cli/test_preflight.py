@@ -12,7 +12,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from actors.cli import main
-from sync_service.cli import build_parser
+from sync_service.entrypoints.cli import build_parser
 from sync_service.synthetic import make_adapter, make_base, make_non_lora_adapter
 
 EXPERTS = "base_model.model.model.layers.1.mlp.experts"
@@ -156,7 +156,7 @@ def test_engine_and_engines_are_distinct_flags():
 def test_good_adapter_passes_every_preflight_check(files, capsys):
     """The checks accept the good adapter: the run gets as far as starting Ray, which this test
     forbids by pointing RAY_ADDRESS at a closed port (the error then comes from Ray, exit 1)."""
-    from sync_service import preflight, sync_cli
+    from sync_service.entrypoints import preflight, sync_cli
 
     args = build_parser().parse_args(["sync", "--base", str(files["base"]), "--adapter", str(files["lora"])])
     ep, tp = preflight.resolve_parallel(args)
@@ -166,7 +166,7 @@ def test_good_adapter_passes_every_preflight_check(files, capsys):
     preflight.check_sharding(args, args.base, ep, tp)
     preflight.check_adapter(args, args.base, args.adapter)
     assert capsys.readouterr().err == ""
-    assert sync_cli.CLI_ENGINES["hf"].runner == "sync_service.sync_cli:execute"
+    assert sync_cli.CLI_ENGINES["hf"].runner == "sync_service.entrypoints.sync_cli:execute"
 
 
 @pytest.mark.parametrize("change,fragments", [

@@ -24,8 +24,8 @@ import ray
 
 from actors.launch import start_engines, start_trainers
 from sync_service.api import SyncConfig, WeightSync
-from sync_service.local import AdapterReplay
-from sync_service.merge.peft_oracle import compare_state, peft_merged_state
+from sync_service.entrypoints.local import AdapterReplay
+from sync_service.verify.peft_oracle import compare_state, peft_merged_state
 from sync_service.netns import host_from_dict, listeners, set_link, wait_for_nodes
 from tests.faults import inject
 from tests.oracle import our_merge

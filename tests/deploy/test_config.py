@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from sync_service.deploy_config import ConfigError, load_config, parse_config
-from sync_service.placement import choose_transport
-from sync_service.run_cli import load_secret
+from sync_service.cluster.config import ConfigError, load_config, parse_config
+from sync_service.cluster.placement import choose_transport
+from sync_service.entrypoints.run_cli import load_secret
 
 MIN = {"model": {"base": "/m/base"}}
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sync_service.deploy_config import load_config
+from sync_service.cluster.config import load_config
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 CFG = load_config(DEPLOY / "example-config.yaml")

@@ -1,7 +1,7 @@
 """``weightsync run`` placement on a real multi-node Ray cluster (one machine, 3-4 Ray nodes).
 
 Trainer shards and rollout engines are placed by the custom resources of the config
-(``sync_service.placement.Deployment``), every version is compared with PEFT's ``merge_and_unload`` of
+(``sync_service.cluster.placement.Deployment``), every version is compared with PEFT's ``merge_and_unload`` of
 the replayed adapter (float64, cast once; ``tests.oracle``) and the engines bitwise with each other, and a
 rollout node is removed while a push is in flight.
 """
@@ -16,10 +16,10 @@ import ray
 
 from actors.launch import RayLauncher
 from sync_service.api import SyncConfig, WeightSync
-from sync_service.deploy_config import parse_config
-from sync_service.local import AdapterReplay
-from sync_service.placement import Deployment
-from sync_service.run_cli import run_versions
+from sync_service.cluster.config import parse_config
+from sync_service.entrypoints.local import AdapterReplay
+from sync_service.cluster.placement import Deployment
+from sync_service.entrypoints.run_cli import run_versions
 from tests.oracle import assert_engines_bitwise, assert_engines_match
 
 pytestmark = pytest.mark.multinode

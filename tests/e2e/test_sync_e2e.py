@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from protocols.params import DTYPE_BYTES
 from sync_service.api import PlanMismatchError, SyncConfig, WeightSync
 from actors.launch import start_engines, start_trainers
-from sync_service.local import AdapterReplay
+from sync_service.entrypoints.local import AdapterReplay
 from sync_service.synthetic import make_adapter, make_base
 from tests.oracle import assert_engines_match
 

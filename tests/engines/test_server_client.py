@@ -126,7 +126,7 @@ def test_repeated_url_or_contradicting_engines_refused_unconnected(urls, engines
     """Refused before any server is contacted (port 1: a connection would say 'unreachable' instead)."""
     import argparse
 
-    from sync_service.engines.vllm_server.preflight import check_servers
+    from sync_service.entrypoints.preflight_vllm_server import check_servers
 
     args = argparse.Namespace(command="sync", engine="vllm-server", vllm_urls=urls, engines=engines,
                               vllm_api_key=None, timeout=5.0)
@@ -140,7 +140,7 @@ def test_url_credentials_refused_and_never_echoed(capsys) -> None:
     """A ``user:password@`` URL is refused before any connection, the password in no message."""
     import argparse
 
-    from sync_service.engines.vllm_server.preflight import check_servers
+    from sync_service.entrypoints.preflight_vllm_server import check_servers
 
     with pytest.raises(ValueError, match="carries credentials") as info:
         ServerClient("http://alice:hunter2@127.0.0.1:1")

@@ -116,7 +116,7 @@ def test_choose_ranks_by_saving_per_resident_byte():
 
 
 def test_factor_streaming_row_reports_bytes_and_equality():
-    from sync_service.factor_stream.bench import factor_streaming_row
+    from sync_service.bench.factors import factor_streaming_row
 
     row = factor_streaming_row("qwen3_moe", dtype="bfloat16", num_experts=4, hidden=32, intermediate=16, r=2, ep=2)
     assert set(row) == {"bytes", "merged_bytes", "seconds", "bitwise_equal", "engine_extra_bytes"}

@@ -14,10 +14,10 @@ import torch
 
 from sync_service.factor_stream.choose import FactorPolicy
 from sync_service.factor_stream.local import LocalSync, LocalSyncConfig
-from sync_service.local import AdapterReplay
+from sync_service.entrypoints.local import AdapterReplay
 from sync_service.merge.adapter import adapter_from_state_dict
 from sync_service.merge.base import TensorDictBase
-from sync_service.merge.peft_oracle import compare_state
+from sync_service.verify.peft_oracle import compare_state
 from sync_service.merge.source import MergeConfig, MergedSource
 from tests.factor_stream.conftest import differing, train_step
 from tests.oracle import materialize

@@ -11,7 +11,7 @@ import math
 from protocols.params import DTYPE_BYTES
 from sync_service.api import SyncConfig, WeightSync
 from actors.launch import start_engines, start_trainers
-from sync_service.local import AdapterReplay
+from sync_service.entrypoints.local import AdapterReplay
 from sync_service.synthetic import make_adapter, make_base
 from tests.oracle import assert_engines_bitwise, assert_engines_match, our_merge
 

@@ -57,7 +57,7 @@ class Replay:
     """The driver side of a test: the adapter after the same ``train_step``s as the trainers."""
 
     def __init__(self, base, adapter, oracles):
-        from sync_service.local import AdapterReplay
+        from sync_service.entrypoints.local import AdapterReplay
 
         self.base, self.replay, self.oracles = base, AdapterReplay(adapter), oracles
 

@@ -9,7 +9,7 @@ import torch
 from sync_service.merge.adapter import load_adapter
 from sync_service.merge.base import SafetensorsBase
 from sync_service.merge.errors import MergeError
-from sync_service.merge.peft_oracle import peft_merged_state
+from sync_service.verify.peft_oracle import peft_merged_state
 from sync_service.merge.source import MergeConfig, MergedSource
 from sync_service.synthetic import make_adapter, make_base
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from sync_service.cli import main
+from sync_service.entrypoints.cli import main
 from sync_service.synthetic import make_adapter, make_base
 
 

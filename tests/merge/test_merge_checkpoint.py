@@ -12,7 +12,7 @@ from peft import LoraConfig
 from safetensors.torch import load_file, save_file
 
 from protocols.params import full_box
-from sync_service.cli import main as cli_main
+from sync_service.entrypoints.cli import main as cli_main
 from sync_service.merge.base import SafetensorsBase
 from sync_service.merge.errors import MergeError
 from sync_service.merge.export import merge_checkpoint
@@ -148,7 +148,7 @@ def test_merge_cli_shards_index_and_from_pretrained(mixtral_dir, tmp_path, capsy
 
 
 def test_merge_cli_sizes():
-    from sync_service.merge.cli import parse_size
+    from sync_service.entrypoints.merge_cli import parse_size
 
     assert [parse_size(s) for s in ("2GB", "500MB", "1GiB", "1.5KiB", "4096")] == [2 * 10**9, 500 * 10**6, 2**30, 1536, 4096]
     with pytest.raises(Exception, match="not understood"):

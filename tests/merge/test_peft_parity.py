@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from sync_service.cli import main
+from sync_service.entrypoints.cli import main
 from sync_service.merge.adapter import load_adapter
 from sync_service.merge.base import SafetensorsBase
 from sync_service.merge.errors import MergeError

@@ -20,7 +20,7 @@ import torch
 
 from sync_service.api import SyncConfig, WeightSync
 from actors.launch import start_trainers
-from sync_service.local import AdapterReplay
+from sync_service.entrypoints.local import AdapterReplay
 from sync_service.synthetic import make_adapter, make_base
 from tests.merge.conftest import assert_matches, peft_merged_model
 from tests.oracle import our_merge

@@ -1,5 +1,5 @@
 """What ``weightsync sync`` / ``demo`` call "verified": engines compared with PEFT's own
-``merge_and_unload`` (``merge.peft_oracle``, float64, cast once), never only with weightsync's merge.
+``merge_and_unload`` (``verify.peft_oracle``, float64, cast once), never only with weightsync's merge.
 
 Without Ray: the comparison accepts weightsync's merge and rejects the wrong rules a merge can have
 (a term missing, a wrong scaling, a tied pair left tied). With Ray (one session): real trainers and
@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sync_service.local import AdapterReplay
-from sync_service.merge.peft_oracle import compare_state, peft_merged_state, values_match
+from sync_service.entrypoints.local import AdapterReplay
+from sync_service.verify.peft_oracle import compare_state, peft_merged_state, values_match
 from sync_service.synthetic import make_adapter, make_base
 from tests.oracle import our_merge
 
@@ -63,7 +63,7 @@ def test_values_match_tolerates_rounding_only():
 def test_sync_cli_refuses_an_untying_adapter_before_ray(base_factory, tmp_path, capsys):
     import ray
 
-    from sync_service.cli import main
+    from sync_service.entrypoints.cli import main
 
     tied = base_factory("qwen3_moe", "float32", tie_word_embeddings=True)
     untying = make_adapter("qwen3_moe", tied, tmp_path / "untying", kind="target_parameters", modules_to_save=["lm_head"])
@@ -81,20 +81,20 @@ def test_sync_verified_against_peft_and_untying_adapter_refused(ray_local, tmp_p
 
     from sync_service.api import SyncConfig, WeightSync
     from actors.launch import start_engines, start_trainers
-    from sync_service.sync_cli import RunConfig, verify_version
+    from sync_service.verify.hf import verify_version
 
     base = make_base("qwen3_moe", tmp_path / "base", num_experts=4)
     adapter = make_adapter("qwen3_moe", base, tmp_path / "lora", kind="target_parameters", r=2)
     trainers = start_trainers(base, adapter, ep=2, timeout_s=90)
     engines = start_engines(base, 1, timeout_s=90)
     sync = WeightSync(trainers=trainers, engines=engines, config=SyncConfig(bucket_bytes=8 << 10, timeout_s=90))
-    replay, cfg = AdapterReplay(adapter), RunConfig(base=base, adapter=adapter, ep=2, engines=1, timeout_s=90)
+    replay = AdapterReplay(adapter)
     for v in range(2):
         if v:
             ray.get([t.train_step.remote(v) for t in trainers], timeout=90)
             replay.step(v)
         sync.push(v)
-        (row,) = verify_version(cfg, tmp_path / f"v{v}", replay, engines)
+        (row,) = verify_version(base, tmp_path / f"v{v}", replay, engines, tp=1, timeout_s=90)
         assert row["verified"] and row["weights_equal_reference"] and row["weight_version"] == v, row
     sync.close()
 

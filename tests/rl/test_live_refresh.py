@@ -14,7 +14,7 @@ import ray
 
 from sync_service.api import SyncConfig, WeightSync
 from actors.launch import start_engines, start_trainers
-from sync_service.local import AdapterReplay
+from sync_service.entrypoints.local import AdapterReplay
 from sync_service.synthetic import make_adapter, make_base
 from tests.oracle import assert_engines_bitwise, assert_engines_match
 from tests.rl.conftest import set_apply_delay

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from sync_service.rl import RLConfig
+from sync_service.entrypoints.rl import RLConfig
 from actors.launch import RayLauncher
-from sync_service.rl.loop import run_rl, window_means
-from sync_service.rl.plot import save_reward_plot
+from sync_service.entrypoints.rl.loop import run_rl, window_means
+from sync_service.entrypoints.rl.plot import save_reward_plot
 from sync_service.synthetic import make_adapter, make_base
 from sync_service.synthetic.demo_files import DEMO_ADAPTER, DEMO_MODEL
 

@@ -9,7 +9,7 @@ import pytest
 
 from sync_service.api import SyncConfig
 from sync_service.coordinator.versions import VersionBoard
-from sync_service.rl import RLConfig, TargetTokenTask, group_advantages
+from sync_service.entrypoints.rl import RLConfig, TargetTokenTask, group_advantages
 from sync_service.synthetic.tokenizer import vocabulary
 
 

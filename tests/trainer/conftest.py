@@ -46,7 +46,7 @@ def adapter_of(ranks) -> dict[str, torch.Tensor]:
 def peft_merged(base_dir: Path, adapter: dict[str, torch.Tensor], tmp: Path) -> dict[str, torch.Tensor]:
     """Oracle: PEFT ``merge_and_unload`` in float64 of base + ``adapter``, cast once to the base dtype;
     in-memory (hf-fused) names, as the engines hold them."""
-    from sync_service.live.demo import save_adapter
+    from sync_service.entrypoints.demo_live import save_adapter
     from tests.merge.conftest import base_dtype, peft_merged_model
     from tests.trainer.harness import lora_config
 

@@ -152,8 +152,8 @@ def test_fsdp2_dcp_checkpoint_is_a_merge_and_trainer_input(bases, engines, ranks
     Mixtral: its on-disk per-expert ``w1``/``w3``/``w2`` keys come back from the fused in-memory state."""
     from actors.launch import start_trainers
     from sync_service.api import SyncConfig, WeightSync
-    from sync_service.cli import main
-    from sync_service.merge.peft_oracle import checkpoint_state
+    from sync_service.entrypoints.cli import main
+    from sync_service.verify.peft_oracle import checkpoint_state
     from tests.merge.conftest import assert_matches
 
     family, dcp_dir = "mixtral", tmp_path / "step-1"

@@ -49,7 +49,7 @@ class Checkpoints:
 
 
 def make_checkpoints(root: Path, dtype: str) -> Checkpoints:
-    from sync_service.merge.peft_oracle import save_peft_merged
+    from sync_service.verify.peft_oracle import save_peft_merged
     from sync_service.synthetic import make_adapter, make_base
 
     base = make_base("qwen3_moe", root / "base", dtype=dtype, hidden=64, intermediate=32, vocab_size=256, scale=0.1)

@@ -33,9 +33,9 @@ LOGPROB_ATOL = {"float32": 1e-4, "bfloat16": 5e-2}
 def cases(request, tmp_path_factory):
     """family → (base, adapter), and the oracle's outputs keyed ``"family/version"``, for the families
     selected in this session (``-k`` narrows the oracle run too)."""
-    from sync_service.demo_vllm import peft_versions
+    from sync_service.entrypoints.demo_vllm import peft_versions
     from sync_service.synthetic import make_adapter, make_base
-    from sync_service.vllm_oracle import fresh_outputs
+    from sync_service.verify.vllm_oracle import fresh_outputs
 
     selected = {item.callspec.params["family"] for item in request.session.items
                 if item.module is request.module and hasattr(item, "callspec")}

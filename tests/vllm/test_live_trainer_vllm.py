@@ -6,7 +6,7 @@ fused experts, ``fully_shard`` per layer, AdamW on an LM loss, gloo) attach weig
 tokens and logprobs (``RolloutEngine.generate_logprobs``), the adapter gathered from the ranks. Then
 the engine is stopped (one vLLM at a time) and the oracle runs: PEFT ``merge_and_unload`` in float64,
 cast once, of each gathered adapter, saved as a checkpoint and decoded by a fresh plain vLLM
-(``sync_service.vllm_oracle.fresh_outputs``, one prompt per call as the engine). The trainers merge with float64 accumulation
+(``sync_service.verify.vllm_oracle.fresh_outputs``, one prompt per call as the engine). The trainers merge with float64 accumulation
 (``SyncConfig.accumulate_dtype``), so the served weights are PEFT's bitwise and equality is exact:
 tokens and float logprobs (fp32 accumulation leaves single elements one ulp off, which moves a logprob
 in its last bits).
@@ -40,9 +40,9 @@ def _peft_checkpoint(base: Path, adapter: dict, out: Path) -> Path:
     """PEFT's float64 merge of ``adapter`` (PEFT keys → numpy), cast once, saved with the base's tokenizer."""
     import torch
 
-    from sync_service.live.demo import save_adapter
+    from sync_service.entrypoints.demo_live import save_adapter
     from sync_service.live.example import lora_config
-    from sync_service.merge.peft_oracle import save_peft_merged
+    from sync_service.verify.peft_oracle import save_peft_merged
 
     tensors = {k: torch.from_numpy(v.copy()) for k, v in adapter.items()}
     return save_peft_merged(base, save_adapter(tensors, lora_config(), out / "adapter"), out / "merged")
@@ -53,7 +53,7 @@ def test_live_fsdp2_trainer_to_vllm_engine_equals_fresh_vllm_on_peft_merge(tmp_p
     from sync_service.api import SyncConfig, WeightSync
     from sync_service.live.example import ExampleTrainingRank
     from sync_service.synthetic import make_base
-    from sync_service.vllm_oracle import fresh_outputs
+    from sync_service.verify.vllm_oracle import fresh_outputs
 
     base = Path(make_base("qwen3_moe", tmp_path / "base", hidden=64, intermediate=32, num_experts=4, vocab_size=128,
                           scale=0.1))

@@ -44,8 +44,8 @@ def _oracle(base: Path, adapter: Path, work: Path, *, versions: int = VERSIONS,
     cast once to the base's dtype); plus the error a ``VLLMServerEngine`` raises on such a server."""
     from sync_service.engines.vllm_server import ServerSetupError, VLLMServerConfig, VLLMServerEngine
     from sync_service.engines.vllm_server.launch import LocalServer
-    from sync_service.local import AdapterReplay
-    from sync_service.merge.peft_oracle import save_peft_merged
+    from sync_service.entrypoints.local import AdapterReplay
+    from sync_service.verify.peft_oracle import save_peft_merged
 
     replay, expected, setup_error = AdapterReplay(adapter), {}, None
     for v in range(versions):
@@ -318,7 +318,7 @@ def test_cli_refuses_bad_server_flags_before_ray(tmp_path: Path) -> None:
         ("--engine", "vllm-server", "--vllm-url", "127.0.0.1:8000"): "must start with http://",
     }
     for flags, text in cases.items():
-        proc = subprocess.run([sys.executable, "-m", "sync_service.cli", "sync", "--base", str(base), "--adapter",
+        proc = subprocess.run([sys.executable, "-m", "sync_service.entrypoints.cli", "sync", "--base", str(base), "--adapter",
                                str(adapter), "--timeout", "10", *flags], capture_output=True, text=True, timeout=120)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1, (flags, proc.stderr[-2000:])

@@ -27,8 +27,8 @@ VERSIONS = 2
 
 def test_two_ep_trainers_to_one_vllm_engine_two_versions(tmp_path: Path) -> None:
     from sync_service.api import SyncConfig, WeightSync
-    from sync_service.demo_vllm import peft_versions
-    from sync_service.vllm_oracle import fresh_tokens
+    from sync_service.entrypoints.demo_vllm import peft_versions
+    from sync_service.verify.vllm_oracle import fresh_tokens
     from actors.launch import start_engines, start_trainers
     from sync_service.synthetic import make_adapter, make_base
 

@@ -8,7 +8,7 @@ import os
 
 from sync_service.engines.vllm_server.client import ServerError, redact
 from sync_service.engines.vllm_server.engine import VLLMServerConfig, VLLMServerEngine
-from sync_service.preflight import fail
+from sync_service.entrypoints.preflight import fail
 
 __all__ = ["check_servers"]
 

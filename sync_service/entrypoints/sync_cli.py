@@ -4,7 +4,7 @@ engines on a local Ray, and verify every version.
 Per version: (version > 0: every trainer takes a deterministic training step on its factors) →
 ``WeightSync.push`` → verify on every engine that (a) its weights equal PEFT's own
 ``merge_and_unload`` of that version's adapter (replayed on the driver; float64, cast once: an
-oracle independent of weightsync's merge, ``merge.peft_oracle``) up to the rounding of an
+oracle independent of weightsync's merge, ``verify.peft_oracle``) up to the rounding of an
 fp32-accumulated merge, (b) they equal the ``weightsync merge`` output of that version read back
 (same tolerance: the file and the stream merge in tiles of different shapes), and (c) its greedy
 generations equal those of the PEFT-merged model.
@@ -24,13 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sync_service import defaults
-from sync_service.preflight import (CLI_ENGINES, check_adapter, check_run_arguments, check_sharding, check_transport,
+from sync_service.entrypoints.preflight import (CLI_ENGINES, check_adapter, check_run_arguments, check_sharding, check_transport,
                                     fail, resolve_engines, resolve_parallel)
-from sync_service.progress import Steps
+from sync_service.entrypoints.progress import Steps
 from sync_service.transports.spec import TRANSPORTS
+from sync_service.verify.hf import verify_version
 
-PROMPTS = ([1, 5, 9, 13, 17, 21], [2, 3, 5, 7, 11, 13, 17])
-MAX_NEW_TOKENS = 8
 
 
 @dataclass(kw_only=True, slots=True)
@@ -112,7 +111,7 @@ def start_ray(tmp: Path) -> None:
     SIGTERM handling stays as it was (``cli.sigterm_kept``)."""
     import ray
 
-    from sync_service.cli import sigterm_kept
+    from sync_service.entrypoints.cli import sigterm_kept
 
     with sigterm_kept():
         ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(tmp), log_to_driver=False,
@@ -125,7 +124,7 @@ def run_local(cfg: RunConfig, launcher) -> list[VersionRow]:
     import ray
 
     from sync_service.api import SyncConfig, WeightSync
-    from sync_service.local import AdapterReplay
+    from sync_service.entrypoints.local import AdapterReplay
 
     tmp = Path(tempfile.mkdtemp(prefix="wsync"))
     work = cfg.work_dir or tmp / "work"
@@ -150,7 +149,7 @@ def run_local(cfg: RunConfig, launcher) -> list[VersionRow]:
                 replay.step(v)
             m = sync.push(v)
             steps.step(f"version {v}: verify")
-            checks = verify_version(cfg, work / f"v{v}", replay, engines)
+            checks = verify_version(cfg.base, work / f"v{v}", replay, engines, tp=cfg.tp, timeout_s=cfg.timeout_s)
             rows.append(VersionRow.of(v, m, [{"engine": n, **c} for n, c in zip(names, checks)]))
             print_row(rows[-1])
         sync.close()
@@ -175,42 +174,6 @@ def announce_metrics(sync) -> None:
     if sync.metrics_port is not None:
         print(f"weightsync: Prometheus metrics on http://{sync.config.metrics_host}:{sync.metrics_port}/metrics",
               file=sys.stderr, flush=True)
-
-
-def verify_version(cfg: RunConfig, vdir: Path, replay, engines) -> list[dict]:
-    """Check every engine against the independent oracle, PEFT's ``merge_and_unload`` of this
-    version's adapter (float64, cast once: ``merge.peft_oracle``): its weights (up to the rounding
-    of an fp32-accumulated merge) and its greedy generations; and its weights against the
-    ``weightsync merge`` output of the version (same tolerance)."""
-    import ray
-
-    from sync_service.engines.hf import HFEngine
-    from sync_service.merge.export import merge_checkpoint
-    from sync_service.merge.peft_oracle import checkpoint_state, compare_state, model_state, peft_merged_model
-
-    adapter = None if replay is None else replay.save(vdir / "adapter")
-    model = peft_merged_model(cfg.base, adapter)
-    oracle = model_state(model)
-    oracle_engine = HFEngine(model)
-    expected = [oracle_engine.generate(p, MAX_NEW_TOKENS).tokens for p in PROMPTS]
-    merged = cfg.base
-    if adapter is not None:
-        merged = vdir / "merged"
-        merge_checkpoint(cfg.base, adapter, merged, target="hf", progress=False)
-    written = checkpoint_state(merged)
-    extra_atol = 0.0 if cfg.tp == 1 else 2.4e-7  # TP blocks: fp32 GEMM rounding depends on the block shape
-    out = []
-    for engine in engines:
-        state = ray.get(engine.state.remote(), timeout=cfg.timeout_s)
-        check = compare_state(state, oracle, extra_atol=extra_atol)
-        merge_ok = compare_state(state, written, extra_atol=extra_atol).ok
-        gens = [ray.get(engine.generate.remote(list(p), MAX_NEW_TOKENS), timeout=cfg.timeout_s) for p in PROMPTS]
-        gen_ok = [g[0] for g in gens] == expected
-        out.append({"verified": bool(check.ok and merge_ok and gen_ok),
-                    "weights_equal_reference": check.ok, "max_abs_diff": check.max_abs_diff,
-                    "weights_equal_merge_output": merge_ok, "generations_equal": bool(gen_ok),
-                    "weight_version": gens[0][1]})
-    return out
 
 
 def print_header() -> None:
@@ -297,8 +260,8 @@ def run_and_report(cfg: RunConfig, run, extra: dict, *, engines: str, json_extra
 
 
 def run(args: argparse.Namespace) -> int:
-    """``weightsync sync`` entry (see ``sync_service/cli.py``). Every check that needs no actor runs
-    before Ray starts (``sync_service.preflight``); a bad value exits 2 with one line."""
+    """``weightsync sync`` entry (see ``sync_service/entrypoints/cli.py``). Every check that needs no actor runs
+    before Ray starts (``sync_service.entrypoints.preflight``); a bad value exits 2 with one line."""
     ep, tp = resolve_parallel(args)
     for what, path in (("--base", args.base), ("--adapter", args.adapter)):
         if path is not None and not path.is_dir():
@@ -326,7 +289,7 @@ def _run_checked(args: argparse.Namespace, ep: int, tp: int, given: dict) -> int
     (``given``: the ``--base`` / ``--adapter`` paths as given, for the report)."""
     check_run_arguments(args)
     if args.vllm_urls:
-        from sync_service.engines.vllm_server.preflight import check_servers
+        from sync_service.entrypoints.preflight_vllm_server import check_servers
 
         check_servers(args)
     check_transport(args, ep * tp)

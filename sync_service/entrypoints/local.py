@@ -1,6 +1,6 @@
 """The driver side of local runs (demo, ``weightsync sync``, end-to-end tests): replay training steps
 on the full adapter and write it as a PEFT adapter, which PEFT's own merge turns into the weights a
-version must equal (``merge.peft_oracle``). The actors themselves are started by ``actors.launch``
+version must equal (``verify.peft_oracle``). The actors themselves are started by ``actors.launch``
 (``start_trainers``, ``start_engines``).
 """
 

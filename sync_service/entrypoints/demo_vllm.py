@@ -1,10 +1,10 @@
 """``weightsync demo --engine vllm``: the demo's sync through one vLLM rollout engine.
 
-Same run and ``--json`` shape as the default demo (``sync_service.sync_cli``), with one engine kind
+Same run and ``--json`` shape as the default demo (``sync_service.entrypoints.sync_cli``), with one engine kind
 changed: 2 trainer shards (EP=2 by default) → one ``RolloutEngine(engine="vllm")`` (vLLM in the
 actor's process, ``FusedVLLMEngine``). Verification per version: the engine's greedy tokens equal
 those of a fresh vLLM started on PEFT's own ``merge_and_unload`` of that version (float64, cast
-once, saved with ``save_pretrained``: ``merge.peft_oracle``; ``vllm_oracle``, run
+once, saved with ``save_pretrained``: ``verify.peft_oracle``; ``verify.vllm_oracle``, run
 in a subprocess before the engine under test starts, so one vLLM engine runs at a time). Weights
 are not read back from vLLM (its post-load layout is not the checkpoint's): the weight fields of
 the JSON rows are ``null``.
@@ -16,18 +16,19 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from sync_service.progress import Steps
-from sync_service.sync_cli import (MAX_NEW_TOKENS, PROMPTS, RunConfig, VersionRow, announce_metrics, print_row,
+from sync_service.entrypoints.progress import Steps
+from sync_service.verify.hf import MAX_NEW_TOKENS, PROMPTS
+from sync_service.entrypoints.sync_cli import (RunConfig, VersionRow, announce_metrics, print_row,
                                    run_and_report)
 
 __all__ = ["execute_vllm", "peft_versions"]
 
 
 def peft_versions(base: Path, adapter: Path, versions: int, work: Path) -> dict[int, Path]:
-    """PEFT's ``merge_and_unload`` of each version's adapter (float64, cast once; ``merge.peft_oracle``)
+    """PEFT's ``merge_and_unload`` of each version's adapter (float64, cast once; ``verify.peft_oracle``)
     saved as a checkpoint, factors stepped as the trainers do: the independent oracle's checkpoints."""
-    from sync_service.local import AdapterReplay
-    from sync_service.merge.peft_oracle import save_peft_merged
+    from sync_service.entrypoints.local import AdapterReplay
+    from sync_service.verify.peft_oracle import save_peft_merged
 
     replay, out = AdapterReplay(adapter), {}
     for v in range(versions):
@@ -43,8 +44,8 @@ def run_vllm(cfg: RunConfig, launcher) -> list[VersionRow]:
     import ray
 
     from sync_service.api import SyncConfig, WeightSync
-    from sync_service.vllm_oracle import fresh_tokens
-    from sync_service.sync_cli import start_ray
+    from sync_service.verify.vllm_oracle import fresh_tokens
+    from sync_service.entrypoints.sync_cli import start_ray
 
     if cfg.adapter is None:
         raise ValueError("the vLLM demo needs an adapter (versions differ by their factors)")

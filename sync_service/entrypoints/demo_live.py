@@ -15,8 +15,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from sync_service.sync_cli import RunConfig, VersionRow, print_row, run_and_report, start_ray
-from sync_service.progress import Steps
+from sync_service.entrypoints.sync_cli import RunConfig, VersionRow, print_row, run_and_report, start_ray
+from sync_service.entrypoints.progress import Steps
 
 __all__ = ["run_trainer_demo", "peft_reference", "save_adapter"]
 

@@ -16,8 +16,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from sync_service.rl.config import RLConfig
-from sync_service.rl.task import TargetTokenTask, group_advantages
+from sync_service.entrypoints.rl.config import RLConfig
+from sync_service.entrypoints.rl.task import TargetTokenTask, group_advantages
 
 __all__ = ["Curve", "RLResult", "run_rl", "run_curve", "window_means"]
 

@@ -1,6 +1,6 @@
 """Fresh-engine oracle: greedy tokens (and their logprobs) of a plain ``vllm.LLM`` started on each of some checkpoints.
 
-``fresh_outputs(runs, prompts, max_new_tokens)`` runs ``python -m sync_service.vllm_oracle
+``fresh_outputs(runs, prompts, max_new_tokens)`` runs ``python -m sync_service.verify.vllm_oracle
 SPEC OUT`` in a subprocess (vLLM in process there, one engine at a time, each shut down before the
 next), so the caller never holds a second vLLM engine. SPEC / OUT are JSON:
 ``{"runs": {key: [model_dir, dtype]}, "prompts": [[ids]], "max_new_tokens": n, "max_model_len": n}`` →
@@ -47,7 +47,7 @@ def fresh_outputs(runs: Mapping[str, str | Path], prompts: Sequence[Sequence[int
     with tempfile.TemporaryDirectory(prefix="wsoracle") as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(spec))
-        proc = subprocess.run([sys.executable, "-m", "sync_service.vllm_oracle", str(spec_path), str(out_path)],
+        proc = subprocess.run([sys.executable, "-m", "sync_service.verify.vllm_oracle", str(spec_path), str(out_path)],
                               env={**os.environ, **VLLM_ENV}, capture_output=True, text=True, timeout=timeout_s)
         if proc.returncode != 0:
             raise RuntimeError(f"vLLM oracle failed ({proc.returncode}):\n{proc.stderr[-4000:]}")

@@ -5,7 +5,7 @@ weightsync backend, serving ``--base`` in its dtype); without, it starts ``--eng
 servers itself (``launch.LocalServer``) and stops them at the end. Verification per version and
 server: ``/weight_info`` reports the version, and the server's greedy ``/v1/completions`` tokens
 equal those of a fresh vLLM on PEFT's own ``merge_and_unload`` of that version (float64, cast once:
-``demo_vllm.peft_versions``, the vLLM engine kind's oracle, ``vllm_oracle``, run before any server
+``demo_vllm.peft_versions``, the vLLM engine kind's oracle, ``verify.vllm_oracle``, run before any server
 starts). JSON: the demo's shape plus ``"engine": "vllm-server"``; weight fields are ``null`` (vLLM's
 post-load layout is not the checkpoint's).
 """
@@ -17,8 +17,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from sync_service.progress import Steps
-from sync_service.sync_cli import (MAX_NEW_TOKENS, PROMPTS, RunConfig, VersionRow, announce_metrics, print_row,
+from sync_service.entrypoints.progress import Steps
+from sync_service.verify.hf import MAX_NEW_TOKENS, PROMPTS
+from sync_service.entrypoints.sync_cli import (RunConfig, VersionRow, announce_metrics, print_row,
                                    run_and_report)
 
 __all__ = ["execute_server", "run_server"]
@@ -53,9 +54,9 @@ def run_server(cfg: RunConfig, launcher) -> list[VersionRow]:
     import ray
 
     from sync_service.api import SyncConfig, WeightSync
-    from sync_service.demo_vllm import peft_versions
-    from sync_service.vllm_oracle import fresh_tokens
-    from sync_service.sync_cli import start_ray
+    from sync_service.entrypoints.demo_vllm import peft_versions
+    from sync_service.verify.vllm_oracle import fresh_tokens
+    from sync_service.entrypoints.sync_cli import start_ray
 
     if cfg.adapter is None:
         raise ValueError("--engine vllm-server needs --adapter (versions differ by their factors)")

@@ -17,7 +17,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from sync_service.deploy_config import DeployConfig
+from sync_service.cluster.config import DeployConfig
 
 __all__ = ["Deployment", "PlacementError", "bundle_nodes", "choose_transport", "node_addresses", "place_group", "wait_bundle_alive"]
 

@@ -9,8 +9,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from sync_service.rl.config import RLConfig
-from sync_service.rl.loop import RLResult, run_rl, window_means
+from sync_service.entrypoints.rl.config import RLConfig
+from sync_service.entrypoints.rl.loop import RLResult, run_rl, window_means
 
 __all__ = ["run_demo_rl", "rose"]
 
@@ -32,8 +32,8 @@ def run_demo_rl(cache_dir: Path, *, config: RLConfig, png_path: Path | None, jso
     """Run both curves on the cached demo model (``launcher``: ``protocols.endpoints.Launcher``); 0 if
     the synced reward rose and the control did not."""
     from sync_service.synthetic.demo_files import DEMO_MODEL, ensure_files
-    from sync_service.rl.plot import save_reward_plot
-    from sync_service.sync_cli import quiet_libraries, start_ray
+    from sync_service.entrypoints.rl.plot import save_reward_plot
+    from sync_service.entrypoints.sync_cli import quiet_libraries, start_ray
 
     import ray
 

@@ -26,11 +26,11 @@ from typing import NoReturn
 
 # sub-command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "merge": ("sync_service.merge.cli", "merge a PEFT LoRA adapter into a base checkpoint, streamed to safetensors"),
-    "demo": ("sync_service.demo", "run the whole product locally on a generated Qwen3-MoE + LoRA, verify every version"),
-    "sync": ("sync_service.sync_cli", "stream your base + LoRA adapter from sharded trainers to local engines, verify"),
+    "merge": ("sync_service.entrypoints.merge_cli", "merge a PEFT LoRA adapter into a base checkpoint, streamed to safetensors"),
+    "demo": ("sync_service.entrypoints.demo", "run the whole product locally on a generated Qwen3-MoE + LoRA, verify every version"),
+    "sync": ("sync_service.entrypoints.sync_cli", "stream your base + LoRA adapter from sharded trainers to local engines, verify"),
     "bench": ("sync_service.bench.cli", "time a sync next to the disk and full-gather paths and the copy floor; JSON + plot"),
-    "run": ("sync_service.run_cli", "place trainers and engines on a Ray cluster by resources (--config FILE), sync, verify"),
+    "run": ("sync_service.entrypoints.run_cli", "place trainers and engines on a Ray cluster by resources (--config FILE), sync, verify"),
 }
 
 EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED = 2, 1, 130
@@ -43,7 +43,7 @@ EXIT_CODES: tuple[tuple[str, str, int], ...] = (
     ("protocols.endpoints", "EndpointError", EXIT_FAILED),
     ("builtins", "TimeoutError", EXIT_FAILED),
     ("sync_service.merge.errors", "MergeError", EXIT_BAD_INPUT),
-    ("sync_service.deploy_config", "ConfigError", EXIT_BAD_INPUT),
+    ("sync_service.cluster.config", "ConfigError", EXIT_BAD_INPUT),
     ("sync_service.coordinator.planning", "PlanMismatchError", EXIT_BAD_INPUT),
     ("builtins", "ValueError", EXIT_BAD_INPUT),
     ("builtins", "FileNotFoundError", EXIT_BAD_INPUT),

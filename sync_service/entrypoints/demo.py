@@ -6,14 +6,14 @@ a local Ray with 2 trainer shards (EP=2) and 2 transformers rollout engines, pus
 (the factors change between versions as a training step would) and verifies each on every engine
 (see ``sync_cli``). Exits non-zero if anything is unverified.
 
-``weightsync demo --rl`` runs the toy GRPO loop instead (``sync_service.rl``): trainers learn from
+``weightsync demo --rl`` runs the toy GRPO loop instead (``sync_service.entrypoints.rl``): trainers learn from
 rewards while ``push_async`` refreshes the engines, plus a control run with sync disabled; writes the
 reward curves as a PNG (``--png``) and, with ``--json``, ``reward_curve`` / ``control_reward_curve`` /
 ``versions_seen``. Exits non-zero unless the synced reward rose and the control's did not.
 
 ``weightsync demo --trainer fsdp2|ddp|ep`` runs a live training loop instead of trainer shards: 2
 training ranks train the demo model with AdamW and weightsync reads their live PEFT model in place
-(``sync_service.live.demo``); every version is verified against PEFT's float64 merge.
+(``sync_service.entrypoints.demo_live``); every version is verified against PEFT's float64 merge.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from sync_service.preflight import check_run_arguments, check_transport, fail, resolve_engines, resolve_parallel
-from sync_service.sync_cli import RunConfig, add_common_arguments, execute_engine, quiet_libraries
+from sync_service.entrypoints.preflight import check_run_arguments, check_transport, fail, resolve_engines, resolve_parallel
+from sync_service.entrypoints.sync_cli import RunConfig, add_common_arguments, execute_engine, quiet_libraries
 from sync_service.synthetic.demo_files import DEMO_ADAPTER, DEMO_MODEL, ensure_files
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,8 +43,8 @@ def run(args: argparse.Namespace) -> int:
         if args.trainer is not None:
             fail(args, f"--rl trains its own trainer shards; drop --trainer {args.trainer} (or --rl)")
         check_run_arguments(args)
-        from sync_service.rl import RLConfig
-        from sync_service.rl.run import run_demo_rl
+        from sync_service.entrypoints.rl import RLConfig
+        from sync_service.entrypoints.rl.run import run_demo_rl
 
         return run_demo_rl(args.cache_dir, config=RLConfig(timeout_s=args.timeout, transport=args.transport),
                            png_path=args.png, json_path=args.json, launcher=args.launcher)
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_live(args: argparse.Namespace) -> int:
-    from sync_service.live.demo import run_trainer_demo
+    from sync_service.entrypoints.demo_live import run_trainer_demo
 
     if args.engine != "hf":
         fail(args, f"--trainer {args.trainer} verifies transformers engines; drop --engine {args.engine}")

@@ -3,7 +3,7 @@
 Connects to a running Ray cluster (``--address auto`` inside a RayJob / on a cluster node, or
 ``HOST:PORT`` of the GCS) — or starts a local one when no address is given, advertising the
 ``trainer`` / ``rollout`` resources the config asks for — places the trainer shards and rollout
-engines by their custom resources (``sync_service.placement``), chooses the transport, and pushes
+engines by their custom resources (``sync_service.cluster.placement``), chooses the transport, and pushes
 ``run.versions`` versions like ``weightsync sync``: a deterministic training step between versions,
 then, with ``run.verify``, every engine's weights compared with the reference merge.
 Prints one row per version; ``--json`` writes them with the placement (node per actor).
@@ -18,10 +18,11 @@ import time
 from pathlib import Path
 
 from sync_service import defaults, security
-from sync_service.deploy_config import ConfigError, DeployConfig, SecretConfig, load_config
-from sync_service.preflight import check_deploy, fail
-from sync_service.progress import Steps
-from sync_service.sync_cli import VersionRow, announce_metrics, print_header, print_row, quiet_libraries, write_json
+from sync_service.cluster.config import ConfigError, DeployConfig, SecretConfig, load_config
+from sync_service.entrypoints.preflight import check_deploy, fail
+from sync_service.entrypoints.progress import Steps
+from sync_service.verify.hf import verify_weights
+from sync_service.entrypoints.sync_cli import VersionRow, announce_metrics, print_header, print_row, quiet_libraries, write_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,7 +54,7 @@ def connect(address: str | None, cfg: DeployConfig, tmp: Path) -> None:
     handling stays (``cli.sigterm_kept``)."""
     import ray
 
-    from sync_service.cli import sigterm_kept
+    from sync_service.entrypoints.cli import sigterm_kept
 
     env, t, e = defaults.RAY_WORKER_ENV, cfg.trainers, cfg.engines
     local = dict(num_cpus=2, include_dashboard=False, _temp_dir=str(tmp),
@@ -82,31 +83,14 @@ def run_versions(cfg: DeployConfig, deployment, sync, first_version: int = 0, ve
         m = sync.push(v)
         engines = [{"engine": r.engine, "committed": r.committed} for r in m.engines]
         if cfg.run.verify:
-            checks = verify_weights(cfg, deployment.engines, replay)
+            checks = verify_weights(cfg.model.base, deployment.engines, replay, tp=cfg.trainers.tp,
+                                    timeout_s=cfg.sync.timeout_s)
             engines = [{**e, **c} for e, c in zip(engines, checks)]
         else:
             engines = [{**e, "verified": e["committed"]} for e in engines]
         rows.append(VersionRow.of(v, m, engines))
         print_row(rows[-1])
     return rows
-
-
-def verify_weights(cfg: DeployConfig, engines: list, replay) -> list[dict]:
-    """Per engine: its weights equal PEFT's ``merge_and_unload`` of the version's adapter (float64,
-    cast once: ``merge.peft_oracle``; up to fp32 rounding, +2.4e-7 with TP blocks)."""
-    import ray
-
-    from sync_service.merge.peft_oracle import compare_state, peft_merged_state
-
-    with tempfile.TemporaryDirectory(prefix="wsoracle") as work:  # the replayed adapter, as PEFT reads it
-        oracle = peft_merged_state(cfg.model.base, None if replay is None else replay.save(Path(work) / "adapter"))
-    extra_atol = 0.0 if cfg.trainers.tp == 1 else 2.4e-7  # TP blocks: fp32 GEMM rounding depends on the block shape
-    out = []
-    for engine in engines:
-        check = compare_state(ray.get(engine.state.remote(), timeout=cfg.sync.timeout_s), oracle, extra_atol=extra_atol)
-        out.append({"verified": check.ok, "weights_equal_reference": check.ok, "max_abs_diff": check.max_abs_diff,
-                    "weight_version": ray.get(engine.weight_version.remote(), timeout=cfg.sync.timeout_s)})
-    return out
 
 
 def placement_report(deployment) -> dict:
@@ -122,8 +106,8 @@ def execute(cfg: DeployConfig, address: str | None, json_path: Path | None, laun
     import ray
 
     from sync_service.api import SyncConfig, WeightSync
-    from sync_service.local import AdapterReplay
-    from sync_service.placement import Deployment
+    from sync_service.entrypoints.local import AdapterReplay
+    from sync_service.cluster.placement import Deployment
 
     secret = load_secret(cfg.secret)
     quiet_libraries()
@@ -168,7 +152,7 @@ def execute(cfg: DeployConfig, address: str | None, json_path: Path | None, laun
 
 
 def run(args: argparse.Namespace) -> int:
-    """``weightsync run`` entry (see ``sync_service/cli.py``). The config, the engine kind, the
+    """``weightsync run`` entry (see ``sync_service/entrypoints/cli.py``). The config, the engine kind, the
     transport, ``SyncConfig``'s bounds and (where the driver sees them) the model files are checked
     before Ray starts (``preflight.check_deploy``); a bad value exits 2 with one line."""
     try:

