@@ -61,6 +61,8 @@ class SyncConfig:
     secret: bytes | None = field(default=None, repr=False)
     """HMAC-SHA256 key authenticating every bucket (>= 16 bytes; see ``sync_service/security.py``);
     ``None``: a fresh random one per WeightSync. Never printed (excluded from repr)."""
+    reset_versions: bool = False
+    """Accept a first push at or below the version the engines already serve (a new run numbering from 0 again)."""
     delta: bool = defaults.DELTA
     """After an engine's first full sync, send only the names the adapter changes."""
     max_in_flight: int = 1
@@ -133,11 +135,10 @@ MAX_BUCKET_BYTES = 8 << 30
 """Largest ``SyncConfig.bucket_bytes``: 8 GiB, checkpoint-engine's largest bucket (buckets are double
 buffered per trainer in RAM or /dev/shm; beyond this a bucket only costs memory)."""
 
-# field → allowed kinds (``None`` allows None); bool is never accepted for int fields. ``secret``
-# is checked by ``check_secret`` (its value is never printed).
+# field → allowed kinds (``None`` allows None); bool is never accepted for int fields; ``secret``: ``check_secret``.
 _FIELD_TYPES: dict[str, tuple] = {
     "bucket_bytes": (int,), "transport": (str,), "relay": (str,), "timeout_s": (int, float),
-    "check_finite": (bool,), "accumulate_dtype": (str,), "delta": (bool,), "max_in_flight": (int,),
+    "check_finite": (bool,), "accumulate_dtype": (str,), "reset_versions": (bool,), "delta": (bool,), "max_in_flight": (int,),
     "max_staleness": (int,), "mode": (str,), "factor_memory_bytes": (int, None), "experts_per_recipe": (int,),
     "metrics_port": (int, None), "metrics_host": (str,), "bind_host": (str,), "port_range": (tuple, None)}
 
@@ -266,7 +267,7 @@ class WeightSync:
 
         Raises:
             TypeError: ``version`` not an int (a bool is not one).
-            ValueError: ``version`` not above the last pushed one.
+            ValueError: ``version`` not above the last push, or (unless ``config.reset_versions``) what an engine served.
             RuntimeError: after ``close()``.
             TimeoutError: no in-flight slot freed within ``timeout_s`` (nothing snapshotted).
         """
@@ -278,8 +279,7 @@ class WeightSync:
                 raise RuntimeError(f"push_async({version}): this WeightSync is closed; make a new one over the actors")
             with self._count_lock:
                 previous = self._latest
-            if previous is not None and version <= previous:
-                raise ValueError(f"push_async({version}): versions must increase; the last push was {previous}")
+            self._coordinator.check_version(version, previous)  # above the last push and what the engines serve
             t0 = time.perf_counter()
             if not self._slots.acquire(timeout=wait):
                 raise TimeoutError(f"push_async({version}): {self.config.max_in_flight} push(es) still in flight after "
@@ -362,7 +362,7 @@ class WeightSync:
         return self.wait_for_version(low, timeout_s)
 
     def engine_versions(self) -> dict[str, int | None]:
-        """Committed weight version per engine name (``None`` before its first sync)."""
+        """Committed weight version per engine name, asked of the engines (before a first push too; ``None``: never synced)."""
         return self._coordinator.engine_versions()
 
     def add_engine(self, engine) -> str:

@@ -30,6 +30,7 @@ from sync_service.coordinator.membership import Membership
 from sync_service.coordinator.metrics import EngineResult, SyncError, SyncMetrics
 from sync_service.coordinator.modes import MergedMode, SyncMode
 from sync_service.coordinator.transfer import GRACE_S, Prepared, Transfer
+from sync_service.coordinator.versions import check_push_version
 from sync_service.security import new_secret
 
 __all__ = ["Coordinator"]
@@ -57,6 +58,8 @@ class Coordinator:
         self.members = Membership()
         self.versions = self.members.versions
         self.joins: list[JoinMetrics] = []
+        self.served: dict[str, int | None] = {}
+        """Engine name → the version it served when this coordinator was made (a push must go above it)."""
         self._secret = config.secret if config.secret is not None else new_secret()  # HMAC key of every bucket
         self._mode = MergedMode() if mode is None else mode(self.trainers, self._trainer_get)
         owned = self._trainer_get([t.owned_metas.remote() for t in self.trainers], "owned_metas")
@@ -64,7 +67,7 @@ class Coordinator:
         self._channel = Channel(owner=uuid.uuid4().hex[:8], plan_bytes=encode(self._plan),
                                 bucket_bytes=self._plan.bucket_bytes, secret=self._secret, config=config)
         for engine in engines:
-            name, table = self._validate(engine)
+            name, table, self.served[name] = self._validate(engine)  # a late joiner takes the fleet's version
             self.members.admit(engine, name, table, None)
         if self.members.handles:
             self._open()  # now, so the first push measures the transfer only
@@ -90,7 +93,7 @@ class Coordinator:
             PlanMismatchError: its table does not fit (nothing changes).
             SyncError: the peer copy failed (the engine is not admitted).
         """
-        name, table = self._validate(engine)
+        name, table, _ = self._validate(engine)
         peer = self._pick_peer()
         if peer is None:
             joined = JoinMetrics(engine=name, source="next-push", version=None, bytes=0, buckets=0, seconds=0.0)
@@ -251,12 +254,18 @@ class Coordinator:
                            [f"engine {n}" for n in self.members.names])
         self.members.changed = False
 
-    def _validate(self, engine) -> tuple[str, list]:
-        name, raw = self._get([engine.engine_name.remote(), engine.param_metas.remote()], "param_metas")
+    def check_version(self, version: int, previous: int | None) -> None:
+        """Raises ValueError unless ``version`` is above ``previous`` (this coordinator's last push) and,
+        unless ``config.reset_versions``, above what every engine served when admitted (``versions.py``)."""
+        check_push_version(version, previous, self.served, reset=self.config.reset_versions)
+
+    def _validate(self, engine) -> tuple[str, list, int | None]:
+        name, raw, served = self._get([engine.engine_name.remote(), engine.param_metas.remote(),
+                                       engine.weight_version.remote()], "param_metas")
         name = self.members.unique_name(name)
         table = list(raw)
         self._mode.validate(self._plan, table, engine=name)
-        return name, table
+        return name, table, served
 
     def _pick_peer(self) -> int | None:
         """A member that received a full sync from this coordinator, committed a version and can export."""

@@ -4,15 +4,56 @@ commit (driver side, thread safe), and waiting for a minimum version.
 The coordinator records a version when an engine acked and committed it (a push, or a late joiner's
 peer copy), so reading the board costs no round trip to the engines; ``WeightSync.engine_versions()``
 asks the engines themselves.
+
+Versions outlive a ``WeightSync``: an engine keeps serving its last committed version after the
+coordinator that pushed it closed (a vLLM server across weightsync runs). ``check_push_version``
+refuses a version at or below what an engine served when this coordinator admitted it (unless
+``SyncConfig.reset_versions``), and ``next_version`` is the first version a new run pushes.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
-__all__ = ["VersionBoard"]
+__all__ = ["VersionBoard", "check_push_version", "next_version"]
+
+RESET_HINT = "SyncConfig(reset_versions=True) (weightsync sync|demo|run: --reset-versions)"
+"""The setting that lets a new run number its versions from below what the engines serve."""
+
+
+def _highest(served: Mapping[str, int | None]) -> tuple[int, str] | None:
+    """(the highest version an engine serves, that engine's name); ``None`` when none serves one."""
+    return max(((v, n) for n, v in served.items() if v is not None), default=None)
+
+
+def next_version(served: Mapping[str, int | None]) -> int:
+    """The first version a run pushes to engines serving ``served`` (engine name → version, ``None``:
+    nothing committed): one above the highest, 0 when none serves a version."""
+    top = _highest(served)
+    return 0 if top is None else top[0] + 1
+
+
+def check_push_version(version: int, previous: int | None, served: Mapping[str, int | None], *,
+                       reset: bool) -> None:
+    """Refuse a push of ``version`` that would not move every engine forward.
+
+    ``previous``: this coordinator's last push (``None``: none yet); ``served``: engine name → the
+    version it served when this coordinator admitted it (``None``: nothing committed); ``reset``:
+    ``SyncConfig.reset_versions`` (accept versions at or below ``served``).
+
+    Raises:
+        ValueError: ``version <= previous``; or, without ``reset``, ``version`` at or below a served
+            version (naming the engine, its version and the setting that resets it).
+    """
+    if previous is not None and version <= previous:
+        raise ValueError(f"push_async({version}): versions must increase; the last push was {previous}")
+    top = None if reset else _highest(served)
+    if top is not None and version <= top[0]:
+        raise ValueError(f"push_async({version}): engine {top[1]} already serves version {top[0]} (from an earlier "
+                         f"WeightSync); push version {top[0] + 1} or later, or pass {RESET_HINT} to number "
+                         f"versions from below it again")
 
 
 class VersionBoard:

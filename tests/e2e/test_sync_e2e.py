@@ -24,7 +24,7 @@ from tests.oracle import assert_engines_match
 import ray
 
 E = 8
-CONFIG = SyncConfig(transport="shm", bucket_bytes=8 << 10, timeout_s=90)
+CONFIG = SyncConfig(transport="shm", bucket_bytes=8 << 10, timeout_s=90, reset_versions=True)  # cases share engines, each from 0
 
 
 @pytest.fixture(scope="module")

@@ -185,3 +185,39 @@ def test_plan_mismatch_refused_before_any_byte(pool, synced, tmp_path, change, n
         assert set(sync.engine_versions().values()) == {v}
     finally:
         ray.kill(odd)
+
+
+def test_versions_survive_a_new_weightsync(pool, synced):
+    """Versions outlive a WeightSync: over engines an earlier one synced, a new one asks the engines
+    (before any push), refuses a version at or below what they serve in one line naming the engine, its
+    version and ``reset_versions``, and goes on above it; ``reset_versions=True`` accepts a lower one."""
+    _, trainers, engines = synced
+    first = WeightSync(trainers=trainers, engines=engines[:1], config=CONFIG)
+    v0, v1 = pool.next_version(), pool.next_version()
+    for v in (v0, v1):
+        first.push(v)
+    first.close()
+    (name,) = ray.get([engines[0].engine_name.remote()], timeout=30)
+    again = WeightSync(trainers=trainers, engines=engines[:1], config=CONFIG)
+    try:
+        assert again.engine_versions() == {name: v1} and again.latest_version is None
+        before = served(engines[:1])
+        for stale in (v0, v1):
+            with pytest.raises(ValueError, match=rf"push_async\({stale}\): engine {name} already serves version {v1} "
+                                                 rf".*push version {v1 + 1} or later.*reset_versions=True") as err:
+                again.push(stale)
+            assert "\n" not in str(err.value)
+        assert_unchanged(engines[:1], before, "after a refused version below the served one")
+        v2 = pool.next_version()
+        assert again.push(v2).engines[0].committed and again.engine_versions() == {name: v2}
+    finally:
+        again.close()
+    reset = WeightSync(trainers=trainers, engines=engines[:1], config=SyncConfig(
+        transport="shm", bucket_bytes=1 << 10, timeout_s=TIMEOUT_S, reset_versions=True))
+    try:
+        assert reset.push(v0).engines[0].committed and reset.engine_versions() == {name: v0}
+        with pytest.raises(ValueError, match="versions must increase"):
+            reset.push(v0)
+    finally:
+        reset.close()
+    assert pool.next_version() > v2  # the module's later pushes stay above every version served

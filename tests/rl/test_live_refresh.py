@@ -20,7 +20,7 @@ from tests.oracle import assert_engines_bitwise, assert_engines_match
 from tests.rl.conftest import set_apply_delay
 
 
-CONFIG = dict(transport="shm", bucket_bytes=8 << 10, timeout_s=90)
+CONFIG = dict(transport="shm", bucket_bytes=8 << 10, timeout_s=90, reset_versions=True)  # each case numbers from 0 on the module's engines
 SLOW_APPLY_S = 0.04
 
 

@@ -11,7 +11,7 @@ import torch
 
 from tests.trainer.conftest import adapter_of, assert_engines_hold, differs, peft_merged, ray, setup_ranks
 
-CONFIG_KW = dict(transport="shm", bucket_bytes=16 << 10, timeout_s=120)
+CONFIG_KW = dict(transport="shm", bucket_bytes=16 << 10, timeout_s=120, reset_versions=True)  # cases share engines, each from 0
 
 
 @pytest.fixture(scope="module")

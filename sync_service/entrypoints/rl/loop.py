@@ -92,7 +92,8 @@ def run_curve(trainers: list, engines: list, base_dir, adapter_dir, task: Target
     ray.get([t.start_learner.remote(config.lr, config.temperature) for t in trainers], timeout=config.timeout_s)
     sync = WeightSync(trainers=trainers, engines=engines, config=SyncConfig(
         transport=config.transport, bucket_bytes=config.bucket_bytes, timeout_s=config.timeout_s,
-        max_in_flight=config.max_in_flight, max_staleness=config.max_staleness))
+        max_in_flight=config.max_in_flight, max_staleness=config.max_staleness,
+        reset_versions=True))  # the control run restarts at version 0 on the same engines
     curve, handles = Curve(), []
     try:
         sync.push(0)  # both runs start from the adapter's policy on every engine
