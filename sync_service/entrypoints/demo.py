@@ -22,7 +22,7 @@ import argparse
 from pathlib import Path
 
 from sync_service.entrypoints.preflight import check_run_arguments, check_transport, fail, resolve_engines, resolve_parallel
-from sync_service.entrypoints.sync_cli import RunConfig, add_common_arguments, execute_engine, quiet_libraries
+from sync_service.entrypoints.sync_cli import RunConfig, add_common_arguments, execute_engine, quiet_libraries, version_options
 from sync_service.synthetic.demo_files import DEMO_ADAPTER, DEMO_MODEL, ensure_files
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     base, adapter = ensure_files(args.cache_dir)
     cfg = RunConfig(base=base, adapter=adapter, ep=ep, tp=tp, engine=args.engine, engines=engines,
                     versions=args.versions, transport=args.transport, bucket_bytes=args.bucket_bytes,
-                    timeout_s=args.timeout, json_path=args.json, metrics_port=args.metrics_port)
+                    timeout_s=args.timeout, json_path=args.json, metrics_port=args.metrics_port, **version_options(args))
     return execute_engine(cfg, {"model": DEMO_MODEL, "adapter": DEMO_ADAPTER, "cache_dir": str(args.cache_dir)},
                           args.launcher)
 
@@ -76,6 +76,6 @@ def _run_live(args: argparse.Namespace) -> int:
     base, _ = ensure_files(args.cache_dir)
     cfg = RunConfig(base=base, adapter=None, engine="hf", engines=args.engines or 2, versions=args.versions,
                     transport=args.transport, bucket_bytes=args.bucket_bytes, timeout_s=args.timeout,
-                    json_path=args.json, metrics_port=args.metrics_port)
+                    json_path=args.json, metrics_port=args.metrics_port, **version_options(args))
     return run_trainer_demo(cfg, {"model": DEMO_MODEL, "cache_dir": str(args.cache_dir)}, kind=args.trainer,
                             launcher=args.launcher)

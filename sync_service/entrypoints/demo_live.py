@@ -4,8 +4,8 @@ Two training ranks (``ExampleTrainingRank`` as threaded Ray actors, gloo) build 
 Qwen3-MoE, add PEFT LoRA on attention + experts, wrap it (FSDP2 ``fully_shard`` per layer, DDP, or
 expert parallel) and train with AdamW on an LM loss; after every step ``push(step)``. Each version is
 verified on every engine against an independent oracle: PEFT ``merge_and_unload`` in float64 (cast
-once) of the adapter gathered from the ranks — weights within fp32 rounding, and greedy generations
-equal to a model loaded from PEFT's merged checkpoint. ``--json``: the demo's shape plus
+once) of the adapter gathered from the ranks, with the verdict of ``weightsync sync`` (``verify.verdict``:
+weights within fp32 rounding, greedy generations equal up to near-ties). ``--json``: the demo's shape plus
 ``"trainer": {"kind", "world", "loss": [...]}``.
 """
 
@@ -15,10 +15,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from sync_service.entrypoints.sync_cli import RunConfig, VersionRow, print_row, run_and_report, start_ray
+from sync_service.entrypoints.sync_cli import (RunConfig, VersionRow, first_version, print_row, run_and_report, start_ray,
+                                               sync_config)
 from sync_service.entrypoints.progress import Steps
 
-__all__ = ["run_trainer_demo", "peft_reference", "save_adapter"]
+__all__ = ["run_trainer_demo", "save_adapter"]
 
 WORLD = 2
 PROMPTS = ([5, 9, 14, 3], [7, 7, 21])
@@ -36,48 +37,28 @@ def save_adapter(adapter: dict, peft_config, out_dir: Path) -> Path:
     return out_dir
 
 
-def peft_reference(base_dir: Path, adapter: dict, peft_config, out_dir: Path) -> dict:
-    """PEFT's merge of ``adapter`` (PEFT keys → tensors) into the base, in float64, cast once to the
-    base dtype, saved with ``save_pretrained`` to ``out_dir``; returns its in-memory state dict."""
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    adapter_dir = save_adapter(adapter, peft_config, out_dir / "adapter")
-    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float64)
-    dtype = AutoModelForCausalLM.from_pretrained(str(base_dir)).dtype
-    merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload().to(dtype)
-    merged.save_pretrained(str(out_dir / "merged"))
-    return {k: v.detach() for k, v in merged.state_dict().items()}
-
-
-def _verify(engines, names, reference: dict, merged_dir: Path, timeout_s: float) -> list[dict]:
-    import numpy as np
+def _verify(engines, names, base: Path, adapter_dir: Path, timeout_s: float) -> list[dict]:
+    """Every engine against PEFT's float64 merge of the ranks' adapter (``verify.verdict``, the verdict of
+    ``weightsync sync``); ``weights_equal_peft_merge`` repeats ``weights_equal_reference``."""
     import ray
-    import torch
 
-    from sync_service.engines.hf import HFEngine
+    from sync_service.verify.hf import reference
+    from sync_service.verify.verdict import verdict
 
-    model = HFEngine.from_pretrained(merged_dir)
-    expected = [model.generate(list(p), NEW_TOKENS).tokens for p in PROMPTS]
+    ref = reference(base, adapter_dir, tp=1, prompts=PROMPTS, max_new_tokens=NEW_TOKENS)
     out = []
     for name, engine in zip(names, engines):
         state = ray.get(engine.state.remote(), timeout=timeout_s)
-        close = set(state) == set(reference) and all(
-            torch.allclose(torch.from_numpy(np.array(state[n])), t, rtol=1e-5, atol=1e-6) for n, t in reference.items())
-        diff = max(float(np.abs(np.asarray(state[n], dtype=np.float64) - t.double().numpy()).max())
-                   for n, t in reference.items() if n in state)
         gens = [ray.get(engine.generate.remote(list(p), NEW_TOKENS), timeout=timeout_s) for p in PROMPTS]
-        same = [g[0] for g in gens] == expected
-        out.append({"engine": name, "verified": bool(close and same), "weights_equal_peft_merge": bool(close),
-                    "max_abs_diff": diff, "generations_equal": bool(same), "weight_version": gens[0][1]})
+        row = verdict(ref, state, [g[0] for g in gens], gens[0][1])
+        out.append({"engine": name, **row, "weights_equal_peft_merge": row["weights_equal_reference"]})
     return out
 
 
 def _run(cfg: RunConfig, kind: str, losses: list, launcher) -> list[VersionRow]:
     import ray
 
-    from sync_service.api import SyncConfig, WeightSync
+    from sync_service.api import WeightSync
     from sync_service.live.example import ExampleTrainingRank, lora_config
 
     tmp = Path(tempfile.mkdtemp(prefix="wslive"))
@@ -95,18 +76,16 @@ def _run(cfg: RunConfig, kind: str, losses: list, launcher) -> list[VersionRow]:
         engines = launcher.start_engines(cfg.base, cfg.engines, timeout_s=cfg.timeout_s)
         names = ray.get([e.engine_name.remote() for e in engines], timeout=cfg.timeout_s)
         steps.step("planning, validating the plan against every engine")
-        sync = WeightSync(trainers=handles, engines=engines, config=SyncConfig(
-            transport=cfg.transport, bucket_bytes=cfg.bucket_bytes, timeout_s=cfg.timeout_s,
-            metrics_port=cfg.metrics_port))
-        for v in range(cfg.versions):
+        sync = WeightSync(trainers=handles, engines=engines, config=sync_config(cfg))
+        first = first_version(sync.engine_versions(), given=cfg.first_version, reset=cfg.reset_versions)
+        for v in range(first, first + cfg.versions):
             steps.step(f"version {v}: AdamW step on {WORLD} ranks, push")
             losses.append(sum(ray.get([r.train_step.remote() for r in ranks], timeout=cfg.timeout_s)) / WORLD)
             m = sync.push(v)
             steps.step(f"version {v}: verify against PEFT's float64 merge")
             adapter = _adapter(ray.get([r.adapter_state.remote() for r in ranks], timeout=cfg.timeout_s)[0])
-            reference = peft_reference(cfg.base, adapter, lora_config(), tmp / f"v{v}")
-            rows.append(VersionRow.of(v, m, _verify(engines, names, reference, tmp / f"v{v}" / "merged",
-                                                    cfg.timeout_s)))
+            adapter_dir = save_adapter(adapter, lora_config(), tmp / f"v{v}" / "adapter")
+            rows.append(VersionRow.of(v, m, _verify(engines, names, cfg.base, adapter_dir, cfg.timeout_s)))
             print_row(rows[-1])
         sync.close()
     finally:

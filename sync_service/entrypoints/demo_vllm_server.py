@@ -3,11 +3,13 @@
 With ``--vllm-url`` (one or more) the run syncs into those running servers (each started with the
 weightsync backend, serving ``--base`` in its dtype); without, it starts ``--engines`` local CPU
 servers itself (``launch.LocalServer``) and stops them at the end. Verification per version and
-server: ``/weight_info`` reports the version, and the server's greedy ``/v1/completions`` tokens
-equal those of a fresh vLLM on PEFT's own ``merge_and_unload`` of that version (float64, cast once:
-``demo_vllm.peft_versions``, the vLLM engine kind's oracle, ``verify.vllm_oracle``, run before any server
-starts). JSON: the demo's shape plus ``"engine": "vllm-server"``; weight fields are ``null`` (vLLM's
-post-load layout is not the checkpoint's).
+server (``verify.verdict.token_verdict``): ``/weight_info`` reports the version, and the server's
+greedy ``/v1/completions`` tokens equal, up to near-ties (``verify.tokens``), those of a fresh vLLM
+on PEFT's own ``merge_and_unload`` of that version (float64, cast once: ``demo_vllm.peft_versions``,
+the vLLM engine kind's oracle, ``verify.vllm_oracle``, run before any server starts). Versions
+continue above what a running server serves (``sync_cli.first_version``). JSON: the demo's shape
+plus ``"engine": "vllm-server"``; weight fields are ``null`` (vLLM's post-load layout is not the
+checkpoint's).
 """
 
 from __future__ import annotations
@@ -37,15 +39,16 @@ def _servers(cfg: RunConfig, stack: contextlib.ExitStack, log_dir: Path) -> list
                                                   log_dir=log_dir)).url for _ in range(cfg.engines)]
 
 
-def _verify(engine, name: str, v: int, expected: list, timeout_s: float) -> dict:
+def _verify(engine, name: str, v: int, expected: list, cfg: RunConfig) -> dict:
     import ray
 
-    got = ray.get(engine.complete.remote([list(p) for p in PROMPTS], MAX_NEW_TOKENS), timeout=timeout_s)
-    version = ray.get(engine.weight_version.remote(), timeout=timeout_s)
-    ok = [g["tokens"] for g in got] == expected and version == v
-    return {"engine": name, "verified": ok, "weights_equal_reference": None, "max_abs_diff": None,
-            "weights_equal_merge_output": None, "generations_equal": [g["tokens"] for g in got] == expected,
-            "weight_version": version}
+    from sync_service.engines.vllm.fused import checkpoint_dtype
+    from sync_service.verify.verdict import token_verdict
+
+    got = ray.get(engine.complete.remote([list(p) for p in PROMPTS], MAX_NEW_TOKENS), timeout=cfg.timeout_s)
+    version = ray.get(engine.weight_version.remote(), timeout=cfg.timeout_s)
+    return {"engine": name, **token_verdict(expected, [g["tokens"] for g in got], version, expected_version=v,
+                                            dtype=checkpoint_dtype(cfg.base), accumulate_dtype=cfg.accumulate_dtype)}
 
 
 def run_server(cfg: RunConfig, launcher) -> list[VersionRow]:
@@ -53,10 +56,10 @@ def run_server(cfg: RunConfig, launcher) -> list[VersionRow]:
     ``protocols.endpoints.Launcher``); push and verify every version."""
     import ray
 
-    from sync_service.api import SyncConfig, WeightSync
+    from sync_service.api import WeightSync
     from sync_service.entrypoints.demo_vllm import peft_versions
-    from sync_service.verify.vllm_oracle import fresh_tokens
-    from sync_service.entrypoints.sync_cli import start_ray
+    from sync_service.entrypoints.sync_cli import first_version, start_ray, sync_config
+    from sync_service.verify.vllm_oracle import fresh_decodes
 
     if cfg.adapter is None:
         raise ValueError("--engine vllm-server needs --adapter (versions differ by their factors)")
@@ -67,8 +70,8 @@ def run_server(cfg: RunConfig, launcher) -> list[VersionRow]:
         stack.callback(shutil.rmtree, tmp, True)
         steps.step(f"merging {cfg.versions} version(s) with PEFT and decoding them on fresh vLLM engines (the oracle)")
         merged = peft_versions(cfg.base, cfg.adapter, cfg.versions, cfg.work_dir or tmp / "work")
-        expected = fresh_tokens({str(v): d for v, d in merged.items()}, PROMPTS, MAX_NEW_TOKENS,
-                                timeout_s=max(600.0, cfg.timeout_s))
+        expected = fresh_decodes({str(k): d for k, d in merged.items()}, PROMPTS, MAX_NEW_TOKENS,
+                                 timeout_s=max(600.0, cfg.timeout_s))
         steps.step("vLLM server(s): " + ("connecting" if cfg.vllm_urls else f"starting {cfg.engines} on this machine"))
         urls = _servers(cfg, stack, tmp)
         steps.step("starting a local Ray and the trainer shards")
@@ -78,17 +81,17 @@ def run_server(cfg: RunConfig, launcher) -> list[VersionRow]:
         trainers = launcher.start_trainers(cfg.base, cfg.adapter, ep=cfg.ep, tp=cfg.tp, timeout_s=cfg.timeout_s)
         engines = launcher.start_server_engines(urls, api_key=cfg.vllm_api_key)
         steps.step("planning, validating the plan against every server's table")
-        sync = WeightSync(trainers=trainers, engines=engines, config=SyncConfig(
-            transport=cfg.transport, bucket_bytes=cfg.bucket_bytes, timeout_s=cfg.timeout_s,
-            check_finite=cfg.check_finite, secret=cfg.secret, metrics_port=cfg.metrics_port))
+        sync = WeightSync(trainers=trainers, engines=engines, config=sync_config(cfg))
         announce_metrics(sync)
-        for v in range(cfg.versions):
+        first = first_version(sync.engine_versions(), given=cfg.first_version, reset=cfg.reset_versions)  # a running server continues its numbering
+        for k in range(cfg.versions):  # training step k (the oracle's version k) is pushed as version first + k
+            v = first + k
             steps.step(f"version {v}: training step, push, generate")
-            if v:
-                ray.get([t.train_step.remote(v) for t in trainers], timeout=cfg.timeout_s)
+            if k:
+                ray.get([t.train_step.remote(k) for t in trainers], timeout=cfg.timeout_s)
             m = sync.push(v)
-            rows.append(VersionRow.of(v, m, [_verify(e, f"server{i}", v, expected[str(v)], cfg.timeout_s)
-                                    for i, e in enumerate(engines)]))
+            rows.append(VersionRow.of(v, m, [_verify(e, f"server{i}", v, expected[str(k)], cfg)
+                                             for i, e in enumerate(engines)]))
             print_row(rows[-1])
         sync.close()
     return rows

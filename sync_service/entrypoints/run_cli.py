@@ -22,7 +22,8 @@ from sync_service.cluster.config import ConfigError, DeployConfig, SecretConfig,
 from sync_service.entrypoints.preflight import check_deploy, fail
 from sync_service.entrypoints.progress import Steps
 from sync_service.verify.hf import verify_weights
-from sync_service.entrypoints.sync_cli import VersionRow, announce_metrics, print_header, print_row, quiet_libraries, write_json
+from sync_service.entrypoints.sync_cli import (VersionRow, add_version_arguments, announce_metrics, first_version, print_header,
+                                               print_row, quiet_libraries, write_json)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,6 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the results as JSON to this path")
     parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                         help="serve Prometheus metrics on 127.0.0.1:PORT/metrics while the run lasts (0: a free port)")
+    add_version_arguments(parser)
 
 
 def load_secret(cfg: SecretConfig, environ: dict[str, str] | None = None) -> bytes | None:
@@ -101,8 +103,11 @@ def placement_report(deployment) -> dict:
 
 
 def execute(cfg: DeployConfig, address: str | None, json_path: Path | None, launcher, *,
-            metrics_port: int | None = None) -> int:
-    """Connect, place (actors from ``launcher``), push and verify; 0 when every version verified on every engine."""
+            metrics_port: int | None = None, versions: dict | None = None) -> int:
+    """Connect, place (actors from ``launcher``), push and verify; 0 when every version verified on every engine.
+    ``versions``: ``sync_cli.version_options`` (``accumulate_dtype``, ``first_version``, ``reset_versions``);
+    the first version follows what the engines serve unless given."""
+    versions = {"accumulate_dtype": "float32", "first_version": None, "reset_versions": False, **(versions or {})}
     import ray
 
     from sync_service.api import SyncConfig, WeightSync
@@ -129,11 +134,13 @@ def execute(cfg: DeployConfig, address: str | None, json_path: Path | None, laun
             sync = WeightSync(trainers=deployment.trainers, engines=deployment.engines, config=SyncConfig(
                 transport=placed["transport"], bucket_bytes=cfg.sync.bucket_bytes, timeout_s=cfg.sync.timeout_s,
                 delta=cfg.sync.delta, secret=secret,  # None: the coordinator makes a fresh per-session secret
-                metrics_port=metrics_port))
+                metrics_port=metrics_port, accumulate_dtype=versions["accumulate_dtype"],
+                reset_versions=versions["reset_versions"]))
             announce_metrics(sync)
             replay = AdapterReplay(cfg.model.adapter) if cfg.model.adapter is not None else None
             print_header()
-            rows = run_versions(cfg, deployment, sync, replay=replay, steps=steps)
+            first = first_version(sync.engine_versions(), given=versions["first_version"], reset=versions["reset_versions"])
+            rows = run_versions(cfg, deployment, sync, first_version=first, replay=replay, steps=steps)
             sync.close()
         finally:
             deployment.close()
@@ -165,4 +172,7 @@ def run(args: argparse.Namespace) -> int:
     check_deploy(args, cfg)
     if args.json is not None and not args.json.parent.is_dir():
         fail(args, f"--json {args.json}: directory {args.json.parent} does not exist; create it or choose another path")
-    return execute(cfg, args.address, args.json, args.launcher, metrics_port=args.metrics_port)
+    from sync_service.entrypoints.sync_cli import version_options
+
+    return execute(cfg, args.address, args.json, args.launcher, metrics_port=args.metrics_port,
+                   versions=version_options(args))

@@ -70,6 +70,14 @@ class RunConfig:
     """``--engine vllm-server``: running servers to sync into (none: start ``engines`` local ones)."""
     vllm_api_key: str | None = field(default=None, repr=False)
     """The servers' ``--api-key`` (``--vllm-api-key`` or ``$VLLM_API_KEY``)."""
+    accumulate_dtype: str = "float32"
+    """The merge's accumulation dtype (``SyncConfig.accumulate_dtype``): ``"float64"`` serves PEFT's float64
+    merge cast once bit for bit, so the verdict accepts no token flip (``verify.tokens``)."""
+    first_version: int | None = None
+    """The first version pushed; ``None``: one above the highest version the engines serve (0 for fresh ones)."""
+    reset_versions: bool = False
+    """Number versions from ``first_version`` (default 0) even at or below what the engines serve
+    (``SyncConfig.reset_versions``)."""
 
 
 @dataclass(slots=True)
@@ -123,7 +131,7 @@ def run_local(cfg: RunConfig, launcher) -> list[VersionRow]:
     verify ``cfg.versions`` versions. Returns the rows."""
     import ray
 
-    from sync_service.api import SyncConfig, WeightSync
+    from sync_service.api import WeightSync
     from sync_service.entrypoints.local import AdapterReplay
 
     tmp = Path(tempfile.mkdtemp(prefix="wsync"))
@@ -137,12 +145,11 @@ def run_local(cfg: RunConfig, launcher) -> list[VersionRow]:
         trainers, engines = start_actors(cfg, launcher)
         names = [ray.get(e.engine_name.remote()) for e in engines]
         steps.step("planning, validating the plan against every engine")
-        sync = WeightSync(trainers=trainers, engines=engines, config=SyncConfig(
-            transport=cfg.transport, bucket_bytes=cfg.bucket_bytes, timeout_s=cfg.timeout_s,
-            check_finite=cfg.check_finite, secret=cfg.secret, metrics_port=cfg.metrics_port))
+        sync = WeightSync(trainers=trainers, engines=engines, config=sync_config(cfg))
         announce_metrics(sync)
         replay = AdapterReplay(cfg.adapter) if cfg.adapter is not None else None
-        for v in range(cfg.versions):
+        first = first_version(sync.engine_versions(), given=cfg.first_version, reset=cfg.reset_versions)
+        for v in range(first, first + cfg.versions):
             steps.step(f"version {v}: training step, push")
             if v and replay is not None:
                 ray.get([t.train_step.remote(v) for t in trainers], timeout=cfg.timeout_s)
@@ -158,6 +165,28 @@ def run_local(cfg: RunConfig, launcher) -> list[VersionRow]:
         ray.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
     return rows
+
+
+def sync_config(cfg: RunConfig):
+    """The ``SyncConfig`` of a local run."""
+    from sync_service.api import SyncConfig
+
+    return SyncConfig(transport=cfg.transport, bucket_bytes=cfg.bucket_bytes, timeout_s=cfg.timeout_s,
+                      check_finite=cfg.check_finite, secret=cfg.secret, metrics_port=cfg.metrics_port,
+                      accumulate_dtype=cfg.accumulate_dtype, reset_versions=cfg.reset_versions)
+
+
+def first_version(served: dict[str, int | None], *, given: int | None = None, reset: bool = False) -> int:
+    """A run's first version: ``given`` (``--first-version``); else 0 with ``reset`` (``--reset-versions``);
+    else one above the highest version in ``served`` (engine name → the version it serves:
+    ``WeightSync.engine_versions()``), so a run over engines an earlier run synced (``--vllm-url``,
+    ``weightsync run``) continues their numbering. A ``given`` at or below what an engine serves is
+    refused by the first push (``SyncConfig.reset_versions``; one line, exit 2)."""
+    from sync_service.coordinator.versions import next_version
+
+    if given is not None:
+        return given
+    return 0 if reset else next_version(served)
 
 
 def start_actors(cfg: RunConfig, launcher) -> tuple[list, list]:
@@ -228,6 +257,19 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, versions: int) -> N
     parser.add_argument("--json", type=Path, default=None, help="write the results as JSON to this path")
     parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                         help="serve Prometheus metrics on 127.0.0.1:PORT/metrics while the run lasts (0: a free port)")
+    add_version_arguments(parser)
+
+
+def add_version_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--accumulate-dtype``, ``--first-version``, ``--reset-versions`` (sync, demo, run)."""
+    parser.add_argument("--accumulate-dtype", choices=("float32", "float64"), default="float32",
+                        help="merge accumulation dtype (default float32); float64 serves PEFT's float64 merge cast "
+                             "once bit for bit, and the verdict then accepts no greedy-token flip at a near-tie")
+    parser.add_argument("--first-version", type=int, default=None, metavar="N",
+                        help="first weight version pushed (default: one above the highest version the engines "
+                             "serve, 0 for fresh engines); at or below a served version it is refused")
+    parser.add_argument("--reset-versions", action="store_true",
+                        help="number versions from --first-version (default 0) even below what the engines serve")
 
 
 def execute(cfg: RunConfig, extra: dict, launcher) -> int:
@@ -255,7 +297,8 @@ def run_and_report(cfg: RunConfig, run, extra: dict, *, engines: str, json_extra
     Steps.write(f"{'all versions verified' if ok else 'VERIFICATION FAILED'} on {engines} in {total:.1f} s")
     if cfg.json_path is not None:
         write_json(cfg.json_path, rows, {**extra, **(json_extra or {}), "ok": ok, "total_seconds": total,
-                                         "ep": cfg.ep, "tp": cfg.tp, "transport": cfg.transport})
+                                         "ep": cfg.ep, "tp": cfg.tp, "transport": cfg.transport,
+                                         "accumulate_dtype": cfg.accumulate_dtype})
     return 0 if ok else 1
 
 
@@ -284,6 +327,12 @@ def hf_inputs(args: argparse.Namespace, work_dir: Path) -> tuple[Path, Path | No
         fail(args, str(exc))
 
 
+def version_options(args: argparse.Namespace) -> dict:
+    """The ``RunConfig`` fields of ``add_version_arguments``' flags."""
+    return {"accumulate_dtype": args.accumulate_dtype, "first_version": args.first_version,
+            "reset_versions": args.reset_versions}
+
+
 def _run_checked(args: argparse.Namespace, ep: int, tp: int, given: dict) -> int:
     """``run`` once the inputs are HF directories: the preflight checks, then the engine kind's runner
     (``given``: the ``--base`` / ``--adapter`` paths as given, for the report)."""
@@ -309,5 +358,5 @@ def _run_checked(args: argparse.Namespace, ep: int, tp: int, given: dict) -> int
                     versions=args.versions, transport=args.transport, bucket_bytes=args.bucket_bytes,
                     timeout_s=args.timeout, json_path=args.json, check_finite=args.check_finite, secret=secret,
                     metrics_port=args.metrics_port, vllm_urls=tuple(args.vllm_urls),
-                    vllm_api_key=args.vllm_api_key or os.environ.get("VLLM_API_KEY"))
+                    vllm_api_key=args.vllm_api_key or os.environ.get("VLLM_API_KEY"), **version_options(args))
     return execute_engine(cfg, given, args.launcher)

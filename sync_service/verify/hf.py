@@ -2,9 +2,9 @@
 
 ``verify_version`` (``weightsync sync`` / ``demo``) checks each engine's weights against PEFT's
 ``merge_and_unload`` of the version's adapter (float64, cast once: ``verify.peft_oracle``), against the
-``weightsync merge`` output of that version, and its greedy generations against the PEFT-merged model's.
-``verify_weights`` (``weightsync run``) checks the weights only. Each returns one dict per engine (the
-``engines`` rows of the commands' ``--json``).
+``weightsync merge`` output of that version, and its greedy generations against the PEFT-merged model's
+(up to near-ties: ``verify.tokens``). ``verify_weights`` (``weightsync run``) checks the weights only.
+Each returns one dict per engine (``verify.verdict``: the ``engines`` rows of the commands' ``--json``).
 """
 
 from __future__ import annotations
@@ -13,14 +13,32 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["MAX_NEW_TOKENS", "PROMPTS", "verify_version", "verify_weights"]
+from sync_service.verify.verdict import TP_EXTRA_ATOL, Reference, verdict
+
+__all__ = ["MAX_NEW_TOKENS", "PROMPTS", "TP_EXTRA_ATOL", "reference", "verify_version", "verify_weights"]
 
 PROMPTS = ([1, 5, 9, 13, 17, 21], [2, 3, 5, 7, 11, 13, 17])
 """Token ids of the prompts every verdict generates from (greedy)."""
 MAX_NEW_TOKENS = 8
 
-TP_EXTRA_ATOL = 2.4e-7
-"""TP blocks: the fp32 GEMM's rounding depends on the block shape (absolute, added to the ulp bound)."""
+
+def reference(base: Path, adapter: Path | None, *, tp: int, merge_dir: Path | None = None,
+              prompts: Sequence[Sequence[int]] = PROMPTS, max_new_tokens: int = MAX_NEW_TOKENS) -> Reference:
+    """The ``Reference`` of ``base`` + ``adapter`` (``None``: the base itself): PEFT's float64 merge cast
+    once and its greedy decodes of ``prompts``; with ``merge_dir``, also the ``weightsync merge`` output
+    written there and read back."""
+    from sync_service.merge.export import merge_checkpoint
+    from sync_service.verify.peft_oracle import checkpoint_state, model_state, peft_merged_model
+    from sync_service.verify.tokens import hf_decodes
+
+    model = peft_merged_model(base, adapter)
+    written = None
+    if merge_dir is not None:
+        if adapter is not None:
+            merge_checkpoint(base, adapter, merge_dir, target="hf", progress=False)
+        written = checkpoint_state(base if adapter is None else merge_dir)
+    return Reference(oracle=model_state(model), written=written, decodes=hf_decodes(model, prompts, max_new_tokens),
+                     extra_atol=0.0 if tp == 1 else TP_EXTRA_ATOL)
 
 
 def verify_version(base: Path, vdir: Path, replay, engines: Sequence, *, tp: int, timeout_s: float) -> list[dict]:
@@ -30,32 +48,13 @@ def verify_version(base: Path, vdir: Path, replay, engines: Sequence, *, tp: int
     Blocks up to ``timeout_s`` per engine call."""
     import ray
 
-    from sync_service.engines.hf import HFEngine
-    from sync_service.merge.export import merge_checkpoint
-    from sync_service.verify.peft_oracle import checkpoint_state, compare_state, model_state, peft_merged_model
-
     adapter = None if replay is None else replay.save(vdir / "adapter")
-    model = peft_merged_model(base, adapter)
-    oracle = model_state(model)
-    oracle_engine = HFEngine(model)
-    expected = [oracle_engine.generate(p, MAX_NEW_TOKENS).tokens for p in PROMPTS]
-    merged = base
-    if adapter is not None:
-        merged = vdir / "merged"
-        merge_checkpoint(base, adapter, merged, target="hf", progress=False)
-    written = checkpoint_state(merged)
-    extra_atol = 0.0 if tp == 1 else TP_EXTRA_ATOL
+    ref = reference(base, adapter, tp=tp, merge_dir=vdir / "merged")
     out = []
     for engine in engines:
         state = ray.get(engine.state.remote(), timeout=timeout_s)
-        check = compare_state(state, oracle, extra_atol=extra_atol)
-        merge_ok = compare_state(state, written, extra_atol=extra_atol).ok
         gens = [ray.get(engine.generate.remote(list(p), MAX_NEW_TOKENS), timeout=timeout_s) for p in PROMPTS]
-        gen_ok = [g[0] for g in gens] == expected
-        out.append({"verified": bool(check.ok and merge_ok and gen_ok),
-                    "weights_equal_reference": check.ok, "max_abs_diff": check.max_abs_diff,
-                    "weights_equal_merge_output": merge_ok, "generations_equal": bool(gen_ok),
-                    "weight_version": gens[0][1]})
+        out.append(verdict(ref, state, [g[0] for g in gens], gens[0][1]))
     return out
 
 
@@ -64,14 +63,10 @@ def verify_weights(base: Path, engines: Sequence, replay, *, tp: int, timeout_s:
     cast once; up to the ulp bound of ``compare_state``, + ``TP_EXTRA_ATOL`` with TP blocks)."""
     import ray
 
-    from sync_service.verify.peft_oracle import compare_state, peft_merged_state
+    from sync_service.verify.peft_oracle import peft_merged_state
 
     with tempfile.TemporaryDirectory(prefix="wsoracle") as work:  # the replayed adapter, as PEFT reads it
         oracle = peft_merged_state(base, None if replay is None else replay.save(Path(work) / "adapter"))
-    extra_atol = 0.0 if tp == 1 else TP_EXTRA_ATOL
-    out = []
-    for engine in engines:
-        check = compare_state(ray.get(engine.state.remote(), timeout=timeout_s), oracle, extra_atol=extra_atol)
-        out.append({"verified": check.ok, "weights_equal_reference": check.ok, "max_abs_diff": check.max_abs_diff,
-                    "weight_version": ray.get(engine.weight_version.remote(), timeout=timeout_s)})
-    return out
+    ref = Reference(oracle=oracle, extra_atol=0.0 if tp == 1 else TP_EXTRA_ATOL)
+    return [verdict(ref, ray.get(e.state.remote(), timeout=timeout_s), None,
+                    ray.get(e.weight_version.remote(), timeout=timeout_s)) for e in engines]
