@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import tempfile
@@ -37,6 +38,12 @@ def parse_staging_size(text: str) -> int:
     return size
 
 
+def max_threads() -> int:
+    """Most ``--threads``: the CPUs this process may run on (its affinity; ``os.cpu_count()`` where the
+    platform has none). More threads than CPUs only contend, and OpenMP crashes on ~10^5 threads."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base", required=True, help="base checkpoint directory (config.json + *.safetensors), or a "
                                                       "torch.distributed.checkpoint directory with its config.json (docs/merge.md)")
@@ -48,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-shard-size", default="5GB", type=parse_size, help="largest shard, e.g. 2GB, 500MB (default 5GB)")
     parser.add_argument("--staging-size", default="64MiB", type=parse_staging_size, help="fp32 merge scratch budget, at least 4KiB (default 64MiB)")
     parser.add_argument("--threads", default=1, type=int,
-                        help="torch intra-op threads (default 1: the merge is memory-bound in cache-sized steps; "
+                        help="torch intra-op threads, at most the CPUs this process may run on (default 1: the merge is memory-bound in cache-sized steps; "
                              "more threads gain little and slow down badly on a busy machine)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
 
@@ -57,14 +64,16 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from sync_service.merge.dcp import resolve_inputs
+    from sync_service.entrypoints.workdir import run_root
     from sync_service.merge.export import merge_checkpoint
 
-    if args.threads < 1:
-        print(f"weightsync merge: error: --threads must be >= 1, got {args.threads}", file=sys.stderr)
+    if not 1 <= args.threads <= max_threads():
+        print(f"weightsync merge: error: --threads must be in [1, {max_threads()}] (the CPUs this process may run on), "
+              f"got {args.threads}; give at most {max_threads()}", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
     try:
-        with tempfile.TemporaryDirectory(prefix="wsync-dcp") as tmp:
+        with tempfile.TemporaryDirectory(prefix="wsync-dcp", dir=run_root()) as tmp:
             base, adapter = resolve_inputs(Path(args.base), Path(args.adapter), Path(tmp))
             summary = merge_checkpoint(
                 base, adapter, args.out, target=args.target, dtype=args.dtype,

@@ -11,6 +11,8 @@ copy), and ``save_file`` writes the views from their pointers.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import shutil
@@ -174,12 +176,10 @@ def merge_checkpoint(
 
 def _write_output(source: MergedSource, target: str, shards: list[list[tuple[str, Piece]]], base_dir: Path,
                   out_dir: Path, dtype: str | None, progress: bool | None) -> int:
-    """Write shards + config into a temporary sibling of ``out_dir``, then rename it to ``out_dir``.
-    On any failure the temporary directory and the parents this call created are removed. Returns bytes."""
-    created = out_dir.absolute().parent
-    while not created.parent.exists():
-        created = created.parent
-    made_parents = not created.exists()
+    """Write shards + config into a temporary sibling of ``out_dir``, then rename it to ``out_dir``
+    (``_publish``). On any failure the temporary directory and the parents this call created (while
+    still empty) are removed; ``out_dir`` is left as it was. Returns bytes."""
+    parents = [p for p in out_dir.absolute().parents if not p.exists()]
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
@@ -191,13 +191,31 @@ def _write_output(source: MergedSource, target: str, shards: list[list[tuple[str
         for path in tmp.iterdir():  # safetensors writes 0600: readable by a server running as another user
             if path.is_file():
                 path.chmod(0o666 & ~umask)
-        if out_dir.exists():
-            out_dir.rmdir()
-        tmp.rename(out_dir)
+        _publish(tmp, out_dir)
     except BaseException:
-        shutil.rmtree(created if made_parents else tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        for parent in parents:  # innermost first; one another merge wrote into stays
+            with contextlib.suppress(OSError):
+                parent.rmdir()
         raise
     return total
+
+
+def _publish(tmp: Path, out_dir: Path) -> None:
+    """Rename ``tmp`` to ``out_dir`` in one step: rename(2) replaces an empty directory and refuses a
+    non-empty one, so of two merges into one ``--out`` exactly one wins and the other finds it taken
+    (no lock file, nothing left inside ``out_dir``).
+
+    Raises:
+        MergeError: ``out_dir`` was filled (another merge) or became a file meanwhile.
+    """
+    try:
+        os.rename(tmp, out_dir)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+            raise
+        raise MergeError(f"--out {out_dir}: was filled or replaced while this merge ran (another merge into the "
+                         f"same --out?); it is left as it is; choose another --out or remove it and merge again") from None
 
 
 def _write_shards(source: MergedSource, target: str, shards: list[list[tuple[str, Piece]]], out: Path, progress) -> int:
