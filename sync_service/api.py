@@ -31,6 +31,7 @@ from sync_service import defaults
 from sync_service.coordinator import Coordinator, PlanMismatchError
 from sync_service.coordinator.join import JoinMetrics
 from sync_service.coordinator.metrics import EngineResult, SyncError, SyncMetrics
+from sync_service.coordinator.versions import check_version
 from sync_service.transports.spec import RELAYS, TRANSPORTS
 from sync_service.factor_stream.choose import FactorPolicy
 from sync_service.factor_stream.coordination import FactorCoordination
@@ -267,12 +268,11 @@ class WeightSync:
 
         Raises:
             TypeError: ``version`` not an int (a bool is not one).
-            ValueError: ``version`` not above the last push, or (unless ``config.reset_versions``) what an engine served.
+            ValueError: ``version`` outside int64's [0, 2**63 - 1], not above the last push, or at or below what an engine served (unless ``config.reset_versions``).
             RuntimeError: after ``close()``.
             TimeoutError: no in-flight slot freed within ``timeout_s`` (nothing snapshotted).
         """
-        if not isinstance(version, int) or isinstance(version, bool):
-            raise TypeError(f"push_async({version!r}): version must be an int, got {type(version).__name__}")
+        check_version(version, "push_async")
         wait = self.config.timeout_s if timeout_s is None else timeout_s
         with self._push_lock:
             if self._closed:

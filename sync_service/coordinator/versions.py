@@ -17,7 +17,26 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 
-__all__ = ["VersionBoard", "check_push_version", "next_version"]
+from protocols.wire import I63_MAX
+
+__all__ = ["MAX_VERSION", "VersionBoard", "check_push_version", "check_version", "next_version"]
+
+MAX_VERSION = I63_MAX
+"""Largest weight version, 2**63 - 1: versions travel as int64 (msgpack ints, the engines' int64 counters)."""
+
+
+def check_version(version: object, where: str) -> int:
+    """``version`` as a weight version: an int (not a bool) in ``[0, MAX_VERSION]``.
+
+    Raises:
+        TypeError: not an int. ValueError: outside int64's non-negative range (naming ``where``).
+    """
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise TypeError(f"{where}({version!r}): version must be an int, got {type(version).__name__}")
+    if not 0 <= version <= MAX_VERSION:
+        raise ValueError(f"{where}({version}): version must be in [0, 2**63 - 1] (an int64 on the wire); "
+                         f"give a smaller version")
+    return version
 
 RESET_HINT = "SyncConfig(reset_versions=True) (weightsync sync|demo|run: --reset-versions)"
 """The setting that lets a new run number its versions from below what the engines serve."""

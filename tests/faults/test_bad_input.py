@@ -73,6 +73,9 @@ def test_version_regression_refused_nothing_applied(pool, synced):
     for bad in (v + 0.5, True, str(v + 1)):  # refused on the driver, before any snapshot or byte
         with pytest.raises(TypeError, match=rf"push_async\({bad!r}\): version must be an int"):
             sync.push(bad)
+    for bad in (2**63, 2**70, -1):  # past int64 it once failed in the trainer, "Integer value out of range"
+        with pytest.raises(ValueError, match=rf"push_async\({bad}\): version must be in \[0, 2\*\*63 - 1\]"):
+            sync.push(bad)
     assert_unchanged(engines, before, "after a refused version regression")
     assert sync.latest_version == v
 
