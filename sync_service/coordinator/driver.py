@@ -29,6 +29,7 @@ from sync_service.coordinator.join import JoinMetrics, peer_copy
 from sync_service.coordinator.membership import Membership
 from sync_service.coordinator.metrics import EngineResult, SyncError, SyncMetrics
 from sync_service.coordinator.modes import MergedMode, SyncMode
+from sync_service.coordinator.planning import check_plan_size
 from sync_service.coordinator.transfer import GRACE_S, Prepared, Transfer
 from sync_service.coordinator.versions import check_push_version
 from sync_service.security import new_secret
@@ -63,8 +64,12 @@ class Coordinator:
         self._secret = config.secret if config.secret is not None else new_secret()  # HMAC key of every bucket
         self._mode = MergedMode() if mode is None else mode(self.trainers, self._trainer_get)
         owned = self._trainer_get([t.owned_metas.remote() for t in self.trainers], "owned_metas")
-        self._plan = self._mode.build_plan([list(m) for m in owned], bucket_bytes=config.bucket_bytes)
-        self._channel = Channel(owner=uuid.uuid4().hex[:8], plan_bytes=encode(self._plan),
+        owned = [list(m) for m in owned]
+        check_plan_size(owned, bucket_bytes=config.bucket_bytes)  # before seconds of splitting
+        self._plan = self._mode.build_plan(owned, bucket_bytes=config.bucket_bytes)
+        plan_bytes = encode(self._plan)
+        check_plan_size(owned, bucket_bytes=config.bucket_bytes, encoded=len(plan_bytes))
+        self._channel = Channel(owner=uuid.uuid4().hex[:8], plan_bytes=plan_bytes,
                                 bucket_bytes=self._plan.bucket_bytes, secret=self._secret, config=config)
         for engine in engines:
             name, table, self.served[name] = self._validate(engine)  # a late joiner takes the fleet's version

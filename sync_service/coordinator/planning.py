@@ -13,11 +13,11 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 
-from protocols.params import ParamMeta, box_numel
-from protocols.wire import SyncPlan
-from sync_service.streaming.plan import build_plan, combine_plans
+from protocols.params import DTYPE_BYTES, ParamMeta, box_numel
+from protocols.wire import MAX_HEADER_BYTES, MAX_PLAN_ENTRIES, SyncPlan, encode
+from sync_service.streaming.plan import build_plan, combine_plans, plan_entries, smallest_bucket_bytes
 
-__all__ = ["PlanMismatchError", "build_sync_plan", "validate_plan"]
+__all__ = ["PlanMismatchError", "build_sync_plan", "check_plan_size", "validate_plan"]
 
 
 class PlanMismatchError(ValueError):
@@ -51,6 +51,33 @@ def build_sync_plan(owned: Sequence[Sequence[ParamMeta]], *, bucket_bytes: int) 
     """
     return combine_plans([build_plan(list(metas), bucket_bytes=bucket_bytes, sender=rank)
                           for rank, metas in enumerate(owned)])
+
+
+def check_plan_size(owned: Sequence[Sequence[ParamMeta]], *, bucket_bytes: int, encoded: int | None = None) -> None:
+    """The plan of ``owned`` cut at ``bucket_bytes`` fits one message: at most ``MAX_PLAN_ENTRIES`` entries
+    (checked from the metas, before the plan is built) and, given ``encoded`` (its encoded size, bytes), at
+    most ``MAX_HEADER_BYTES``. Runs before any byte moves: a plan too large would fail only on the
+    endpoints, after seconds of splitting and encoding.
+
+    Raises:
+        ValueError: naming ``bucket_bytes``, the smallest value that fits and the fix.
+    """
+    metas = [m for ranks in owned for m in ranks]
+    entries = plan_entries(metas, bucket_bytes)
+    if encoded is None and entries <= MAX_PLAN_ENTRIES or encoded is not None and encoded <= MAX_HEADER_BYTES:
+        return
+    if encoded is None:  # bytes per entry of this model's names, from its plan without splits
+        whole = build_sync_plan(owned, bucket_bytes=smallest_bucket_bytes(metas, len(metas)))
+        per_entry = len(encode(whole)) / max(1, len(whole.entries))
+    else:
+        per_entry = encoded / entries
+    limit = min(MAX_PLAN_ENTRIES, int(0.9 * MAX_HEADER_BYTES / per_entry))
+    largest = max(box_numel(m.covered_box()) * DTYPE_BYTES[m.dtype] for m in metas)
+    size = f"{entries} entries" if encoded is None else f"{entries} entries, {encoded} bytes encoded"
+    raise ValueError(f"SyncConfig.bucket_bytes={bucket_bytes} cuts the model (largest tensor {largest} bytes) into a plan of "
+                     f"{size}; a plan travels as one message of at most {MAX_PLAN_ENTRIES} entries and "
+                     f"{MAX_HEADER_BYTES} bytes (the header limit, protocols.wire: ~{limit} entries of these names); "
+                     f"set bucket_bytes to at least {smallest_bucket_bytes(metas, limit)} (the default is 64 MiB)")
 
 
 def validate_plan(plan: SyncPlan, table: Sequence[ParamMeta], *, engine: str) -> None:

@@ -146,3 +146,39 @@ def buckets_of(plan: SyncPlan, sender: int) -> list[tuple[PlanEntry, ...]]:
                 out.append([])
             out[e.bucket].append(e)
     return [tuple(b) for b in out]
+
+
+def count_pieces(box: Box, itemsize: int, cap_bytes: int) -> int:
+    """How many boxes ``split_box(box, itemsize, cap_bytes)`` yields, computed without splitting (O(ndim)).
+
+    Raises:
+        ValueError: one element is larger than ``cap_bytes``.
+    """
+    if box_numel(box) * itemsize <= cap_bytes:
+        return 1
+    if not box:
+        raise ValueError(f"bucket_bytes={cap_bytes} is smaller than one element ({itemsize} bytes)")
+    (start, stop), rest = box[0], box[1:]
+    row_bytes = box_numel(rest) * itemsize
+    if row_bytes <= cap_bytes:
+        return -(-(stop - start) // (cap_bytes // row_bytes))
+    return (stop - start) * count_pieces(rest, itemsize, cap_bytes)
+
+
+def plan_entries(metas: Iterable[ParamMeta], bucket_bytes: int) -> int:
+    """Entries of a plan of ``metas`` (all senders) cut at ``bucket_bytes``, without building it."""
+    return sum(count_pieces(m.covered_box(), DTYPE_BYTES[m.dtype], bucket_bytes) for m in metas)
+
+
+def smallest_bucket_bytes(metas: Sequence[ParamMeta], max_entries: int) -> int:
+    """The smallest multiple of 64 bytes whose plan of ``metas`` has at most ``max_entries`` entries
+    (``plan_entries`` falls as ``bucket_bytes`` grows; at the largest tensor's size it is one per box)."""
+    largest = max((box_numel(m.covered_box()) * DTYPE_BYTES[m.dtype] for m in metas), default=ALIGN_BYTES)
+    lo, hi = 1, max(1, _align(largest) // ALIGN_BYTES)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if plan_entries(metas, mid * ALIGN_BYTES) <= max_entries:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo * ALIGN_BYTES
