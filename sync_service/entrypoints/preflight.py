@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
+from sync_service import defaults
+
 
 @dataclass(frozen=True, slots=True)
 class EngineKind:
@@ -70,6 +72,10 @@ def resolve_parallel(args: argparse.Namespace) -> tuple[int, int]:
                         ("--engines", args.engines), ("--versions", args.versions)):
         if value is not None and value < 1:
             fail(args, f"{flag} must be >= 1, got {value}")
+    for flag, value, cap in (("--engines", args.engines, defaults.MAX_ENGINES),
+                             ("--versions", args.versions, defaults.MAX_VERSIONS)):
+        if value is not None and value > cap:
+            fail(args, f"{flag} must be in [1, {cap}], got {value}; give at most {cap}")
     tp = args.tp
     ep = args.ep if args.ep is not None else (args.trainers // tp if args.trainers else 2)
     if args.trainers is not None and args.trainers != ep * tp:
@@ -183,6 +189,10 @@ def check_deploy(args: argparse.Namespace, cfg) -> None:
 
     if cfg.engines.engine not in ENGINE_KINDS:
         fail(args, f"{args.config}: engines.engine: {cfg.engines.engine!r}; use one of {sorted(ENGINE_KINDS)}")
+    for path, value, cap in (("engines.count", cfg.engines.count, defaults.MAX_ENGINES),
+                             ("run.versions", cfg.run.versions, defaults.MAX_VERSIONS)):
+        if value > cap:
+            fail(args, f"{args.config}: {path} must be in [1, {cap}], got {value}; give at most {cap}")
     if cfg.sync.transport != "auto":
         check_transport(args, cfg.trainers.shards, transport=cfg.sync.transport, flag=f"{args.config}: sync.transport",
                         fix="set trainers.ep and trainers.tp to 1")
