@@ -26,6 +26,7 @@ from sync_service.bench.report import build_report
 from sync_service.bench.rows import BenchConfig, Row, guarded
 from sync_service.bench.rss import RssSampler
 from sync_service.bench.vllm_rows import run_vllm
+from sync_service.entrypoints.workdir import run_dir
 
 __all__ = ["run_bench", "run_floor"]
 
@@ -118,7 +119,7 @@ def run_bench(cfg: BenchConfig, *, launcher, argv: list[str] | None = None, say=
     failed: list[dict] = []
     factor_bytes: dict[int, int] = {}
     work = _work_dir(cfg)
-    tmp = Path(tempfile.mkdtemp(prefix="wsb"))
+    tmp = run_dir("wsb")
     try:
         for size in cfg.link_sizes() if cfg.link_only else sorted(set(cfg.sizes)):
             shape = model_for_size(size, quick=cfg.quick)

@@ -12,12 +12,12 @@ weights within fp32 rounding, greedy generations equal up to near-ties). ``--jso
 from __future__ import annotations
 
 import shutil
-import tempfile
 from pathlib import Path
 
 from sync_service.entrypoints.sync_cli import (RunConfig, VersionRow, first_version, print_row, run_and_report, start_ray,
                                                sync_config)
 from sync_service.entrypoints.progress import Steps
+from sync_service.entrypoints.workdir import run_dir
 
 __all__ = ["run_trainer_demo", "save_adapter"]
 
@@ -61,7 +61,7 @@ def _run(cfg: RunConfig, kind: str, losses: list, launcher) -> list[VersionRow]:
     from sync_service.api import WeightSync
     from sync_service.live.example import ExampleTrainingRank, lora_config
 
-    tmp = Path(tempfile.mkdtemp(prefix="wslive"))
+    tmp = run_dir("wslive")
     rows: list[VersionRow] = []
     steps = Steps(4 + 2 * cfg.versions)
     try:

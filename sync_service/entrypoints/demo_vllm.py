@@ -14,13 +14,13 @@ the JSON rows are ``null``.
 from __future__ import annotations
 
 import shutil
-import tempfile
 from pathlib import Path
 
 from sync_service.entrypoints.progress import Steps
 from sync_service.verify.hf import MAX_NEW_TOKENS, PROMPTS
 from sync_service.entrypoints.sync_cli import (RunConfig, VersionRow, announce_metrics, print_row,
                                    run_and_report)
+from sync_service.entrypoints.workdir import run_dir
 
 __all__ = ["execute_vllm", "peft_versions"]
 
@@ -52,7 +52,7 @@ def run_vllm(cfg: RunConfig, launcher) -> list[VersionRow]:
 
     if cfg.adapter is None:
         raise ValueError("the vLLM demo needs an adapter (versions differ by their factors)")
-    tmp = Path(tempfile.mkdtemp(prefix="wsvllm"))
+    tmp = run_dir("wsvllm")
     rows: list[VersionRow] = []
     steps = Steps(3 + cfg.versions)
     try:

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import tempfile
 from pathlib import Path
 
 from sync_service.entrypoints.progress import Steps
 from sync_service.verify.hf import MAX_NEW_TOKENS, PROMPTS
 from sync_service.entrypoints.sync_cli import (RunConfig, VersionRow, announce_metrics, print_row,
                                    run_and_report)
+from sync_service.entrypoints.workdir import run_dir
 
 __all__ = ["execute_server", "run_server"]
 
@@ -63,7 +63,7 @@ def run_server(cfg: RunConfig, launcher) -> list[VersionRow]:
 
     if cfg.adapter is None:
         raise ValueError("--engine vllm-server needs --adapter (versions differ by their factors)")
-    tmp = Path(tempfile.mkdtemp(prefix="wsvllmsrv"))
+    tmp = run_dir("wsvllmsrv")
     rows: list[VersionRow] = []
     steps = Steps(4 + cfg.versions)
     with contextlib.ExitStack() as stack:

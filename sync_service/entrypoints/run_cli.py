@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from sync_service.entrypoints.progress import Steps
 from sync_service.verify.hf import verify_weights
 from sync_service.entrypoints.sync_cli import (VersionRow, add_version_arguments, announce_metrics, first_version, print_header,
                                                print_row, quiet_libraries, write_json)
+from sync_service.entrypoints.workdir import run_dir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -116,7 +116,7 @@ def execute(cfg: DeployConfig, address: str | None, json_path: Path | None, laun
 
     secret = load_secret(cfg.secret)
     quiet_libraries()
-    tmp = Path(tempfile.mkdtemp(prefix="wsrun"))
+    tmp = run_dir("wsrun")
     rows: list = []
     t0 = time.perf_counter()
     steps = Steps(3 + cfg.run.versions)

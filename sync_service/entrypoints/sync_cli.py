@@ -29,6 +29,7 @@ from sync_service.entrypoints.preflight import (CLI_ENGINES, check_adapter, chec
 from sync_service.entrypoints.progress import Steps
 from sync_service.transports.spec import TRANSPORTS
 from sync_service.verify.hf import verify_version
+from sync_service.entrypoints.workdir import run_dir, run_root
 
 
 
@@ -134,7 +135,7 @@ def run_local(cfg: RunConfig, launcher) -> list[VersionRow]:
     from sync_service.api import WeightSync
     from sync_service.entrypoints.local import AdapterReplay
 
-    tmp = Path(tempfile.mkdtemp(prefix="wsync"))
+    tmp = run_dir("wsync")
     work = cfg.work_dir or tmp / "work"
     rows: list[VersionRow] = []
     steps = Steps(3 + 2 * cfg.versions)
@@ -310,7 +311,7 @@ def run(args: argparse.Namespace) -> int:
         if path is not None and not path.is_dir():
             fail(args, f"{what} {path}: not a directory")
     given = {"base": str(args.base), "adapter": None if args.adapter is None else str(args.adapter)}
-    with tempfile.TemporaryDirectory(prefix="wsync-dcp") as tmp:
+    with tempfile.TemporaryDirectory(prefix="wsync-dcp", dir=run_root()) as tmp:
         args.base, args.adapter = hf_inputs(args, Path(tmp))
         return _run_checked(args, ep, tp, given)
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 from sync_service.entrypoints.rl.config import RLConfig
 from sync_service.entrypoints.rl.loop import RLResult, run_rl, window_means
+from sync_service.entrypoints.workdir import run_dir
 
 __all__ = ["run_demo_rl", "rose"]
 
@@ -39,7 +39,7 @@ def run_demo_rl(cache_dir: Path, *, config: RLConfig, png_path: Path | None, jso
 
     quiet_libraries()
     base, adapter = ensure_files(cache_dir)
-    tmp = Path(tempfile.mkdtemp(prefix="wsrl"))
+    tmp = run_dir("wsrl")
     try:
         start_ray(tmp / "ray")
         result = run_rl(base, adapter, config, vocab_size=DEMO_MODEL["vocab_size"], launcher=launcher)

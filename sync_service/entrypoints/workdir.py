@@ -1,0 +1,81 @@
+"""Temporary directories of the commands: all of one process's under one per-run directory, which a
+later run removes once that process is gone.
+
+Layout: ``<system temp dir>/weightsync-<pid>-<start>/`` per process (``start``: the process's create
+time, ms since the epoch, as psutil reports it), and inside it the ``mkdtemp`` directories of
+``run_dir(prefix)``. A command removes its own directories when it ends (its ``finally``); a driver
+killed by SIGKILL or the OOM killer cannot, and leaves them — the next ``run_dir`` of any command
+first removes every per-run directory whose owner is no longer running (``sweep_stale``), as the shm
+transport's ``sweep_orphans`` does for ring segments. The create time in the name tells a recycled
+pid from the owner: a directory is kept only while a process with its pid *and* its start time runs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import psutil
+
+__all__ = ["RUN_PREFIX", "run_dir", "run_root", "sweep_stale"]
+
+RUN_PREFIX = "weightsync-"
+"""Name prefix of every per-run directory in the system temp directory."""
+_NAME = re.compile(rf"{RUN_PREFIX}(\d+)-(\d+)")
+
+
+def _start_ms(pid: int) -> int | None:
+    """Create time of ``pid`` in ms since the epoch; ``None`` when no such process runs (a zombie counts as gone)."""
+    try:
+        proc = psutil.Process(pid)
+        return None if proc.status() == psutil.STATUS_ZOMBIE else int(proc.create_time() * 1000)
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+def _owner_dir(root: Path) -> Path:
+    """This process's per-run directory under ``root`` (created on first use)."""
+    path = root / f"{RUN_PREFIX}{os.getpid()}-{_start_ms(os.getpid())}"
+    if not path.is_dir():
+        path.mkdir(mode=0o700, exist_ok=True)
+        atexit.register(_remove_if_empty, path)  # what the command removed itself leaves it empty
+    return path
+
+
+def _remove_if_empty(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.rmdir()
+
+
+def sweep_stale(root: str | Path | None = None) -> list[Path]:
+    """Remove every per-run directory under ``root`` (default: the system temp directory) whose owner
+    process is gone (no process with its pid, or one started at another time: a recycled pid).
+    Returns the removed paths; one that cannot be removed (another user's) is skipped."""
+    root = Path(tempfile.gettempdir() if root is None else root)
+    removed = []
+    for path in root.glob(f"{RUN_PREFIX}*"):
+        m = _NAME.fullmatch(path.name)
+        if m is None or not path.is_dir() or _start_ms(int(m.group(1))) == int(m.group(2)):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            removed.append(path)
+    return removed
+
+
+def run_root(root: str | Path | None = None) -> Path:
+    """This process's per-run directory ``<root>/weightsync-<pid>-<start>`` (``root`` default: the system
+    temp directory), the ``dir=`` of a ``tempfile.TemporaryDirectory``; sweeps stale per-run directories first."""
+    root = Path(tempfile.gettempdir() if root is None else root)
+    sweep_stale(root)
+    return _owner_dir(root)
+
+
+def run_dir(prefix: str, root: str | Path | None = None) -> Path:
+    """A new private directory ``<run_root(root)>/<prefix>XXXXXXXX`` for the caller to remove when done."""
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=run_root(root)))

@@ -1,0 +1,53 @@
+"""The commands' temporary directories live under one per-run directory per process, and a later
+run removes those whose owner is gone: a driver killed by SIGKILL once left its temp directories
+(57 MB) in the system temp directory for good."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from sync_service.entrypoints import workdir
+
+CHILD = """
+import sys, time
+from sync_service.entrypoints.workdir import run_dir
+d = run_dir("wsync", root=sys.argv[1])
+(d / "model.safetensors").write_bytes(b"x" * 4096)
+print(d, flush=True)
+time.sleep(60)
+"""
+
+
+def test_sigkilled_owner_swept_live_and_foreign_kept(tmp_path):
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        left = Path(child.stdout.readline().strip())
+        assert (left / "model.safetensors").is_file()
+        assert workdir.sweep_stale(tmp_path) == [], "swept while its owner runs"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+    mine = workdir.run_dir("wsrun", root=tmp_path)
+    assert mine.parent.name.startswith(f"{workdir.RUN_PREFIX}{os.getpid()}-")
+    assert not left.parent.exists(), "the killed driver's per-run directory survived the next run"
+    start = int(re.fullmatch(r"weightsync-\d+-(\d+)", mine.parent.name).group(1))
+    recycled = tmp_path / f"{workdir.RUN_PREFIX}{os.getpid()}-{start - 1000}"  # this pid, another process's start
+    recycled.mkdir()
+    other = tmp_path / "weightsync-notes"  # not a per-run directory name
+    other.mkdir()
+    assert workdir.sweep_stale(tmp_path) == [recycled]
+    assert mine.is_dir() and other.is_dir()
+
+
+def test_commands_make_temp_dirs_only_through_workdir():
+    """Every ``mkdtemp`` of the commands (sync, run, demos, RL demo, bench) is a ``run_dir``."""
+    root = Path(workdir.__file__).parents[1]
+    users = [p for pkg in ("entrypoints", "bench") for p in (root / pkg).rglob("*.py")
+             if "mkdtemp(" in p.read_text() and p.name != "workdir.py"]
+    assert [str(p.relative_to(root)) for p in users] == ["bench/run.py"]  # its disk row's dir under --cache-dir
+    assert "mkdtemp(prefix=\"wsb\")" not in users[0].read_text()
