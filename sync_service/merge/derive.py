@@ -102,9 +102,11 @@ def meta_model(config) -> torch.nn.Module:
 
 
 def _experts_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """Modules inside a decoder layer (``layers.N.``) holding 3D parameters, convolutions excluded (a 3D
+    parameter outside the layers, e.g. kimi_k25's vision position embeddings, holds no experts)."""
     found = []
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.modules.conv._ConvNd):
+        if isinstance(module, torch.nn.modules.conv._ConvNd) or not re.search(r"(^|\.)layers\.\d+\.", name):
             continue
         if any(p.dim() == 3 for p in module.parameters(recurse=False)):
             found.append((name, module))
