@@ -10,8 +10,9 @@ and image-text-to-text classes whose config names routed experts):
    ``merge_and_unload`` in float64, cast once (``values_match``: the oracle's fp32-accumulation bound).
 
 Verdicts: ``supported`` (every tensor within the bound), ``refused`` (a ``MergeError`` naming the family and
-why, or "transformers cannot build it on CPU: <error>"), ``peft`` (PEFT itself cannot put LoRA on it, so
-there is no oracle) and ``wrong`` (a merge differs from PEFT: a bug, the test fails). Rewrite the README
+why, or "transformers cannot build it on CPU at a tiny config: <error>"), ``peft`` (PEFT itself cannot put
+LoRA on it, so there is no oracle), ``untested`` (its tiny config still exceeds ``MAX_PARAMS``: a sub-config
+the census does not shrink) and ``wrong`` (a merge differs from PEFT: a bug, the test fails). Rewrite the README
 table with::
 
     python -m tests.merge.families_census --write
