@@ -140,8 +140,19 @@ class RolloutEngineCore:
                              finish_s=s.finish_s, total_s=s.total_s, rx_merge_s=factors.merge_s if factors else 0.0)
 
     def commit(self, owner: str, version: int) -> None:
-        """Serve the version staged by ``owner``'s last receive, atomically; caches are reset."""
-        self._updater(owner).commit(version)
+        """Serve the version staged by ``owner``'s last receive, atomically; caches are reset.
+
+        Raises:
+            RuntimeError: the engine refused ``version`` (not the finished update staged: a replayed or
+                stale commit); whatever was staged is aborted then, so the next sync begins cleanly and
+                the engine keeps serving its last committed version.
+        """
+        updater = self._updater(owner)
+        try:
+            updater.commit(version)
+        except Exception:
+            updater.abort()  # engines drop a refused update themselves; this also clears a factor stage
+            raise
         self.engine.reset_caches()
 
     def abort(self, owner: str) -> None:

@@ -111,10 +111,16 @@ class Transfer:
         return results, errors, sorted(pending.values())
 
     def commit(self, version: int) -> tuple[list[EndpointError | None], float]:
-        """Phase 2 on every engine; per engine its error (``None``: committed) and the round's seconds."""
+        """Phase 2 on every engine; per engine its error (``None``: committed) and the round's seconds.
+        A live engine whose commit failed is aborted (it keeps serving its previous version, and its next
+        sync begins cleanly instead of finding this one still staged)."""
         t0 = time.perf_counter()
         _, errors = settle([e.commit.remote(self.channel.owner, version) for e in self.engines], self.engine_labels,
                            "commit", self.timeout_s + GRACE_S)
+        failed = [i for i, e in enumerate(errors) if e is not None]
+        if failed:
+            self.abort(skip=[i for i in range(len(self.engines)) if i not in failed or
+                             isinstance(errors[i], EndpointDiedError)])
         return errors, time.perf_counter() - t0
 
     def abort(self, skip: Sequence[int] = ()) -> None:

@@ -32,7 +32,7 @@ import torch
 from protocols.interfaces import FinishReport
 from protocols.params import Box, ParamMeta
 from sync_service.dtypes import wire_dtype
-from sync_service.engines.staging import APPLY_CHUNK_BYTES, Staging, privatize_mapped
+from sync_service.engines.staging import APPLY_CHUNK_BYTES, Staging, privatize_mapped, refusal
 
 __all__ = ["GenerateResult", "HFEngine", "HFEngineConfig", "SampleResult", "load_causal_lm"]
 
@@ -194,11 +194,13 @@ class HFEngine:
         """Swap staged buffers into the live parameters under the generation lock.
 
         Raises:
-            RuntimeError: ``version`` differs from the one begun, or ``finish_update`` did not run.
+            RuntimeError: ``version`` differs from the one begun, or ``finish_update`` did not run; the
+                staged update is dropped then (the served version stays, the next sync begins cleanly).
         """
         if self._staging.version != version or not self._finished:
-            raise RuntimeError(f"commit({version}): no finished update of that version (in progress: "
-                               f"{self._staging.version}, finished: {self._finished})")
+            refused = refusal(version, self._staging.version, self._finished, self._version)
+            self.abort()  # a refused commit leaves nothing staged: the next sync begins cleanly
+            raise RuntimeError(refused)
         with self._locked():
             for name, buffer in self._staging.take().items():
                 param = self._params[name]

@@ -18,7 +18,7 @@ import torch
 from protocols.interfaces import FinishReport
 from protocols.params import Box, ParamMeta
 from sync_service.dtypes import wire_dtype
-from sync_service.engines.staging import APPLY_CHUNK_BYTES, Staging
+from sync_service.engines.staging import APPLY_CHUNK_BYTES, Staging, refusal
 
 
 class MemoryEngine:
@@ -76,10 +76,12 @@ class MemoryEngine:
         return FinishReport(tensors=len(self._staging.names()), modules=0, seconds=time.perf_counter() - t0)
 
     def commit(self, version: int) -> None:
-        """Raises RuntimeError unless ``version`` was begun and finished."""
+        """Raises RuntimeError unless ``version`` was begun and finished; the staged update is then dropped
+        (the served version stays)."""
         if self._staging.version != version or not self._finished:
-            raise RuntimeError(f"commit({version}): no finished update of that version (in progress: "
-                               f"{self._staging.version}, finished: {self._finished})")
+            refused = refusal(version, self._staging.version, self._finished, self._version)
+            self.abort()  # a refused commit leaves nothing staged: the next sync begins cleanly
+            raise RuntimeError(refused)
         with self._lock:
             for name, staged in self._staging.take().items():
                 self._staging.keep_spare(name, self._served[name])

@@ -20,7 +20,7 @@ import torch
 
 from protocols.params import Box, box_numel, box_shape
 
-__all__ = ["APPLY_CHUNK_BYTES", "Staging", "check_box", "privatize_mapped"]
+__all__ = ["APPLY_CHUNK_BYTES", "Staging", "check_box", "privatize_mapped", "refusal"]
 
 APPLY_CHUNK_BYTES = 1 << 20
 """``ChunkedApply.apply_chunk_bytes`` of the engines that copy into ``Staging``: a piece and its
@@ -61,6 +61,14 @@ def check_box(name: str, box: Box, shape: Sequence[int], data: torch.Tensor | No
         raise ValueError(f"box {box} of {name!r} is outside its shape {shape}")
     if data is not None and tuple(data.shape) != box_shape(box):
         raise ValueError(f"data for {name!r} box {box} has shape {tuple(data.shape)}, expected {box_shape(box)}")
+
+
+def refusal(version: int, staged: int | None, finished: bool, served: int | None) -> str:
+    """The error text of a refused ``commit(version)`` (``staged``: the version in progress, ``served``:
+    the committed one). Every engine drops its staged update when it refuses a commit (a replayed or
+    stale commit must not leave a sync behind that makes the next ``begin_update`` fail)."""
+    return (f"commit({version}): no finished update of that version (in progress: {staged}, finished: "
+            f"{finished}); the staged update is dropped, version {served} stays served")
 
 
 class Staging:

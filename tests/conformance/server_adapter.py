@@ -98,12 +98,11 @@ class ServerAdapter:
         return FinishReport(tensors=len(names), modules=modules, seconds=time.perf_counter() - t0)
 
     def commit(self, version: int) -> None:
-        if self._staging.version != version or not self._finished:
-            raise RuntimeError(f"commit({version}): no finished update of that version (in progress: "
-                               f"{self._staging.version}, finished: {self._finished})")
-        self.server.commit(version)
-        self._staging.drop()
-        self._finished = False
+        try:
+            self.server.commit(version)  # the server refuses (and aborts) a version it did not receive
+        finally:
+            self._staging.drop()
+            self._finished = False
 
     def abort(self) -> None:
         self.server.abort()

@@ -65,6 +65,24 @@ def test_abort_restores_the_served_version_bitwise(case):
     assert case.served() == before
 
 
+def test_a_refused_commit_leaves_the_engine_ready_for_the_next_sync(case):
+    """A replayed sync's commit of a version that is not the one staged is refused, drops the staged
+    update, and the engine keeps serving its last committed version; the next sync begins and commits."""
+    engine = case.engine
+    before, version_before = case.served(), engine.weight_version()
+    staged = case.push("b", commit=False)
+    with pytest.raises(RuntimeError, match=f"commit\\({staged + 1000}\\)"):
+        engine.commit(staged + 1000)
+    assert engine.weight_version() == version_before and case.served() == before
+    with pytest.raises(RuntimeError):
+        engine.commit(staged)  # dropped: the refused commit left nothing to commit
+    assert engine.weight_version() == version_before and case.served() == before
+    version = case.push("b")  # begins cleanly (was: "begin_update(...) while version ... is in progress")
+    assert engine.weight_version() == version and case.served() != before
+    case.push("a")
+    assert case.served() == before
+
+
 def test_commit_is_atomic_under_concurrent_generation(case):
     expected = {}
     va = case.push("a")

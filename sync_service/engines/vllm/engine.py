@@ -27,7 +27,7 @@ from protocols.interfaces import FinishReport, PauseMode
 from protocols.params import Box, ParamMeta, box_numel
 from sync_service.dtypes import wire_dtype
 from sync_service.engines.hf import GenerateResult
-from sync_service.engines.staging import check_box
+from sync_service.engines.staging import check_box, refusal
 from sync_service.engines.vllm.config import VLLMEngineConfig
 from sync_service.engines.vllm.families import check_family
 from sync_service.engines.vllm.gate import ServeGate
@@ -187,11 +187,16 @@ class VLLMEngine:
         return FinishReport(**stats)
 
     def commit(self, version: int) -> None:
-        """Make ``version`` current, drop prefix caches computed under the old one, reopen generation."""
-        if self._pending != version:
-            raise RuntimeError(f"commit({version}) but the update in progress is {self._pending}")
-        if not self._finished:
-            raise RuntimeError(f"commit({version}) before finish_update")
+        """Make ``version`` current, drop prefix caches computed under the old one, reopen generation.
+
+        Raises:
+            RuntimeError: ``version`` is not the finished update in progress; that update is dropped then
+                (``abort``: the served version stays, the next sync begins cleanly).
+        """
+        if self._pending != version or not self._finished:
+            refused = refusal(version, self._pending, self._finished, self._version)
+            self.abort()
+            raise RuntimeError(refused)
         self._rpc("ws_commit", version)
         self._reset_prefix_cache()
         self._version, self._pending, self._finished = version, None, False

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from protocols.interfaces import PauseMode
+from sync_service.engines.staging import refusal
 from sync_service.engines.vllm_server.client import ServerClient, ServerRequestError, ServerSetupError
 from sync_service.engines.vllm_server.wire import BACKEND, COMMAND_METHOD, InitInfo, command_body
 from sync_service.transports import TransportSpec
@@ -155,7 +156,18 @@ class VLLMServerEngine:
             "version", "buckets", "entries", "payload_bytes", "wait_s", "verify_s", "apply_s", "finish_s", "total_s")}}
 
     def commit(self, version: int) -> None:
-        """``/finish_weight_update`` with ``version``, prefix-cache reset, resume."""
+        """``/finish_weight_update`` with ``version``, prefix-cache reset, resume.
+
+        Raises:
+            RuntimeError: the server holds no received sync of ``version`` (a replayed or stale commit);
+                what it holds is aborted then (the served version stays, the next sync begins cleanly).
+        """
+        status = self.status()
+        staged = (status.get("received") or {}).get("version")
+        if not self._active or staged != version:
+            refused = refusal(version, staged, staged is not None, status.get("version"))
+            self.abort()
+            raise RuntimeError(f"{self.name}: {refused}")
         self._client.post("/finish_weight_update", {"weight_version": str(version)})
         self._active = False
         self._reopen()
