@@ -32,7 +32,10 @@ __all__ = ["run_bench", "run_floor"]
 
 
 def _say(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+    from tqdm import tqdm
+
+    tqdm.write(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr)  # above a live bar (``Steps``)
+    sys.stderr.flush()
 
 
 def run_floor(nbytes: int, cfg: BenchConfig, size: int, model_bytes: int) -> Row:
@@ -111,6 +114,7 @@ def run_bench(cfg: BenchConfig, *, launcher, argv: list[str] | None = None, say=
     returns the report (``report.build_report``)."""
     import ray
 
+    from sync_service.entrypoints.progress import Steps
     from sync_service.entrypoints.sync_cli import quiet_libraries
 
     quiet_libraries()
@@ -120,22 +124,29 @@ def run_bench(cfg: BenchConfig, *, launcher, argv: list[str] | None = None, say=
     factor_bytes: dict[int, int] = {}
     work = _work_dir(cfg)
     tmp = run_dir("wsb")
+    sizes = cfg.link_sizes() if cfg.link_only else sorted(set(cfg.sizes))
+    steps = Steps(len(sizes) + (not cfg.link_only) + bool(cfg.links))  # a bar on a terminal, nothing elsewhere
     try:
-        for size in cfg.link_sizes() if cfg.link_only else sorted(set(cfg.sizes)):
+        for size in sizes:
             shape = model_for_size(size, quick=cfg.quick)
+            steps.step(f"{size}x rows")
             say(f"{size}x: model {shape.key()} ({shape.bf16_bytes() / 1e9:.3f} GB bf16)")
             model = ensure_model(shape, cfg.cache_dir)
             factor_bytes[size] = model.factor_bytes()
             if not cfg.link_only:
                 _one_host(model, cfg, size, rows, failed, launcher, work, tmp, say)
         ray.shutdown()
+        if cfg.links:
+            steps.step("link rows")
         link_rows, link_failed = _links(cfg, say)
         failed += link_failed
         factor_streaming: dict = {}
         if not cfg.link_only:
             say("factor streaming row")
+            steps.step("factor streaming row")
             guarded(failed, "factor_streaming", 0, say, lambda: factor_streaming.update(_factor_streaming(cfg.quick)))
     finally:
+        steps.close()
         if ray.is_initialized():
             ray.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)

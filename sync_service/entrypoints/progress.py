@@ -1,6 +1,7 @@
 """Progress of a command's long steps (Ray and actor start-up, plan validation, each version) on a terminal.
 
-A ``tqdm`` bar on stderr, shown only when stderr is a terminal (never in logs, pipes or tests);
+A ``tqdm`` bar on stderr (``merge.progress.bar``: it draws also on a terminal that reports no size),
+shown only when stderr is a terminal (never in logs, pipes or tests);
 table lines go through ``Steps.write`` so a live bar is cleared and redrawn around them.
 """
 
@@ -9,6 +10,8 @@ from __future__ import annotations
 import sys
 
 from tqdm import tqdm
+
+from sync_service.merge.progress import bar
 
 __all__ = ["Steps"]
 
@@ -23,17 +26,17 @@ class Steps:
     """
 
     def __init__(self, total: int, *, enabled: bool | None = None) -> None:
-        enabled = sys.stderr.isatty() if enabled is None else enabled
-        self._bar = tqdm(total=total, disable=not enabled, leave=False, file=sys.stderr, dynamic_ncols=True,
-                         bar_format="{n_fmt}/{total_fmt} {desc} [{elapsed}]")
+        self._bar = bar(total, enabled=enabled, leave=False, dynamic_ncols=True,
+                        bar_format="{n_fmt}/{total_fmt} {desc} [{elapsed}]")
         self._started = False
 
     def step(self, what: str) -> None:
-        """The previous step is done; ``what`` runs now."""
+        """The previous step is done; ``what`` runs now (drawn at once: steps are seconds apart)."""
+        self._bar.set_description_str(what, refresh=False)
         if self._started:
             self._bar.update(1)
         self._started = True
-        self._bar.set_description_str(what)
+        self._bar.refresh()
 
     @staticmethod
     def write(line: str) -> None:

@@ -16,7 +16,6 @@ import errno
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -105,11 +104,9 @@ def _write_config(base_dir: Path, out: Path, dtype: str | None, untied: bool) ->
 
 
 def _progress(total: int, enabled: bool | None):
-    from tqdm import tqdm
+    from sync_service.merge.progress import bar
 
-    if enabled is None:
-        enabled = sys.stderr.isatty()
-    return tqdm(total=total, unit="tensor", desc="merge", disable=not enabled)
+    return bar(total, enabled=enabled, unit="tensor", desc="merge")
 
 
 def _check_arguments(target: str, dtype: str | None, max_shard_bytes: int, staging_bytes: int, out_dir: Path) -> None:
