@@ -15,6 +15,7 @@ import torch
 
 from protocols.endpoints import ExportReport, ExportRequest, FactorStateReport, OpenChannel, ReceiveReport
 from protocols.params import ParamMeta
+from protocols.readback import ServedWeights
 from protocols.wire import SyncPlan
 from protocols.wire_check import decode
 
@@ -190,6 +191,23 @@ class RolloutEngineCore:
         r = self.engine.sample(prompt_token_ids, max_new_tokens, num_samples=num_samples, temperature=temperature,
                                seed=seed)
         return r.tokens, r.weight_version
+
+    def served_weights(self, names: list[str] | None = None, values: bool = False) -> ServedWeights:
+        """Per-tensor xxh3_64 digests (and with ``values`` the bytes) of the served version, computed here
+        over the bytes served (``protocols.readback``; one consistent version, copied under the commit lock).
+
+        Raises:
+            KeyError: a name this engine does not serve. RuntimeError: the engine cannot read its weights
+            back (vLLM in process: its weights live in the worker; compare generations instead).
+        """
+        from sync_service.engines.readback import served_weights
+
+        served = getattr(self.engine, "served", None)
+        if served is None:
+            raise RuntimeError(f"{self.name}: engine {type(self.engine).__name__} cannot read back its served "
+                               f"weights (served_weights needs the transformers or memory engine)")
+        version, tensors = served(names)
+        return served_weights(self.name, version, tensors, names, values)
 
     def can_export(self) -> bool:
         """Whether this engine can stream its served weights to a peer (``send_weights``)."""

@@ -16,6 +16,7 @@ import ray
 
 from protocols.endpoints import ExportReport, ExportRequest, OpenChannel, ReceiveReport
 from protocols.params import ParamMeta
+from protocols.readback import ServedWeights
 from sync_service.engines.vllm_server import ServerUnreachableError, VLLMServerConfig, VLLMServerEngine
 
 __all__ = ["VLLMServer", "VLLMServerActor", "VLLMServerActorCore"]
@@ -39,6 +40,12 @@ class VLLMServerActorCore:
 
     def can_export(self) -> bool:
         return False
+
+    def served_weights(self, names: list[str] | None = None, values: bool = False) -> ServedWeights:
+        """Never yet: the served weights live in the server's worker, which has no read-back command;
+        compare generations (``complete``) instead."""
+        raise RuntimeError(f"{self.engine.engine_name()}: a vLLM server cannot read back its served weights "
+                           f"(served_weights needs the transformers or memory engine)")
 
     def send_weights(self, request: ExportRequest) -> ExportReport:
         """Never: a server's weights are not exported (a late joiner copies from an engine that can)."""

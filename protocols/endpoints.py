@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from protocols.params import ParamMeta
+from protocols.readback import ServedWeights
 from protocols.recipe import Recipe
 
 __all__ = [
@@ -295,11 +296,26 @@ class RolloutEndpoint(Protocol):
         ...
 
     def commit(self, owner: str, version: int) -> None:
-        """Phase 2: serve the staged ``version``, atomically (between two generations)."""
+        """Phase 2: serve the staged ``version``, atomically (between two generations).
+
+        Raises:
+            RuntimeError: ``version`` is not the finished update staged (a replayed or stale commit); the
+                staged update is dropped then, the previous version stays served.
+        """
         ...
 
     def abort(self, owner: str) -> None:
         """Drop what is staged; the previous version stays served. Idempotent."""
+        ...
+
+    def served_weights(self, names: Sequence[str] | None = None, values: bool = False) -> ServedWeights:
+        """Per-tensor xxh3_64 digests of what it serves now (``names``: those only, ``None``: all), computed
+        on the engine over the served bytes; with ``values`` the bytes too (small models). See
+        ``protocols.readback``.
+
+        Raises:
+            KeyError: a name it does not serve. RuntimeError: this engine cannot read its weights back.
+        """
         ...
 
     def can_export(self) -> bool:

@@ -138,8 +138,14 @@ class HFEngine:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Detached clones of the served parameters (for verification; allocates)."""
+        return self.served()[1]
+
+    def served(self, names: Sequence[str] | None = None) -> tuple[int | None, dict[str, torch.Tensor]]:
+        """``(version, clones of the served parameters)`` (``names`` only, when given; unknown ones are
+        skipped), read together under the generation lock (no commit in between; allocates)."""
         with self._locked():
-            return {n: p.detach().clone() for n, p in self._params.items()}
+            keep = self._params if names is None else {n: self._params[n] for n in names if n in self._params}
+            return self._version, {n: p.detach().clone() for n, p in keep.items()}
 
     # -- update lifecycle ------------------------------------------------------------------
     def begin_update(self, version: int, names: Sequence[str]) -> None:

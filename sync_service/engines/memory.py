@@ -100,8 +100,10 @@ class MemoryEngine:
         """Copies of the served tensors: a consistent snapshot of one version (allocates)."""
         return self.served()[1]
 
-    def served(self) -> tuple[int | None, dict[str, torch.Tensor]]:
-        """``(version, copies of the tensors)`` of one committed version, read together under the commit
-        lock (the served buffers are reused as staging two syncs later, so they are copied)."""
+    def served(self, names: Sequence[str] | None = None) -> tuple[int | None, dict[str, torch.Tensor]]:
+        """``(version, copies of the tensors)`` of one committed version (``names`` only, when given;
+        unknown ones are skipped), read together under the commit lock (the served buffers are reused as
+        staging two syncs later, so they are copied)."""
         with self._lock:
-            return self._version, {n: t.clone() for n, t in self._served.items()}
+            keep = self._served if names is None else {n: self._served[n] for n in names if n in self._served}
+            return self._version, {n: t.clone() for n, t in keep.items()}

@@ -61,6 +61,9 @@ class RunConfig:
     """Where per-version adapters and merge outputs go (default: a temp dir, removed at the end)."""
     json_path: Path | None = None
     """Write the results as JSON here."""
+    digests_path: Path | None = None
+    """After each version, write every engine's per-tensor digests of what it serves here (JSON,
+    ``write_digests``); ``None``: not read back."""
     check_finite: bool = True
     """Refuse a version whose merged weights hold NaN/Inf (``SyncConfig.check_finite``)."""
     secret: bytes | None = field(default=None, repr=False)
@@ -159,6 +162,8 @@ def run_local(cfg: RunConfig, launcher) -> list[VersionRow]:
             steps.step(f"version {v}: verify")
             checks = verify_version(cfg.base, work / f"v{v}", replay, engines, tp=cfg.tp, timeout_s=cfg.timeout_s)
             rows.append(VersionRow.of(v, m, [{"engine": n, **c} for n, c in zip(names, checks)]))
+            if cfg.digests_path is not None:
+                write_digests(cfg.digests_path, v, engines, cfg.timeout_s)
             print_row(rows[-1])
         sync.close()
     finally:
@@ -223,6 +228,19 @@ def write_json(path: Path, rows: list[VersionRow], extra: dict) -> None:
     path.write_text(json.dumps(doc, indent=2) + "\n")
 
 
+def write_digests(path: Path, version: int, engines: list, timeout_s: float) -> None:
+    """Add version ``version``'s entry to the digests file ``path`` (``{"versions": [{"version", "engines":
+    {engine: {"version", "tensors": {name: {"dtype", "shape", "xxh3_64"}}}}}]}``), each engine's digests
+    computed on the engine over the bytes it serves (``coordinator.readback.served_weights``)."""
+    from sync_service.coordinator.readback import served_weights
+
+    doc = json.loads(path.read_text()) if version and path.is_file() else {"versions": []}
+    served = served_weights(engines, timeout_s=timeout_s)
+    doc["versions"].append({"version": version, "engines": {n: {"version": w.version, "tensors": w.digests()}
+                                                            for n, w in sorted(served.items())}})
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base", required=True, type=Path, help="base checkpoint directory")
     parser.add_argument("--adapter", type=Path, default=None, help="PEFT LoRA adapter directory (optional)")
@@ -236,6 +254,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(repeat for several; default: start --engines local servers). docs/vllm.md")
     parser.add_argument("--vllm-api-key", default=None, metavar="KEY",
                         help="the servers' --api-key (default: $VLLM_API_KEY)")
+    parser.add_argument("--digests", type=Path, default=None, metavar="FILE",
+                        help="after each version write every engine's per-tensor xxh3_64 digests of the weights it "
+                             "serves to FILE (JSON; --engine hf; docs/operations.md)")
     add_common_arguments(parser, versions=1)
 
 
@@ -338,6 +359,8 @@ def _run_checked(args: argparse.Namespace, ep: int, tp: int, given: dict) -> int
     """``run`` once the inputs are HF directories: the preflight checks, then the engine kind's runner
     (``given``: the ``--base`` / ``--adapter`` paths as given, for the report)."""
     check_run_arguments(args)
+    if args.digests is not None and args.engine != "hf":
+        fail(args, f"--digests: engine {args.engine!r} cannot read back its served weights; use --engine hf")
     if args.vllm_urls:
         from sync_service.entrypoints.preflight_vllm_server import check_servers
 
@@ -357,7 +380,7 @@ def _run_checked(args: argparse.Namespace, ep: int, tp: int, given: dict) -> int
         fail(args, f"--secret-file: {exc}")
     cfg = RunConfig(base=args.base, adapter=args.adapter, ep=ep, tp=tp, engine=args.engine, engines=engines,
                     versions=args.versions, transport=args.transport, bucket_bytes=args.bucket_bytes,
-                    timeout_s=args.timeout, json_path=args.json, check_finite=args.check_finite, secret=secret,
+                    timeout_s=args.timeout, json_path=args.json, digests_path=args.digests, check_finite=args.check_finite, secret=secret,
                     metrics_port=args.metrics_port, vllm_urls=tuple(args.vllm_urls),
                     vllm_api_key=args.vllm_api_key or os.environ.get("VLLM_API_KEY"), **version_options(args))
     return execute_engine(cfg, given, args.launcher)

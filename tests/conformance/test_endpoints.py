@@ -10,6 +10,8 @@ import uuid
 
 import pytest
 import ray
+import torch
+import xxhash
 
 from actors.rollout import RolloutEngineCore
 from actors.trainer import TrainerShardCore
@@ -19,6 +21,7 @@ from protocols.endpoints import (
     RolloutEndpoint, SendReport, SendRequest, SnapshotReport, TrainerEndpoint,
 )
 from protocols.params import ParamMeta
+from protocols.readback import ServedWeights
 from protocols.recipe import Recipe
 from protocols.wire import encode
 from sync_service.live.endpoint import TrainerEndpoint as LiveTrainerEndpoint
@@ -51,7 +54,7 @@ def files(tmp_path_factory):
     return base, make_adapter("qwen3_moe", base, root / "lora", kind="target_parameters", r=2)
 
 
-def test_actor_reports_are_the_declared_types(ray_local, files):
+def test_actor_reports_are_the_declared_types(ray_local, files, tmp_path):
     """One sync of version 1 from one trainer to one engine, call by call; then a peer copy."""
     from actors.launch import start_engines, start_trainers
     from sync_service.coordinator import build_sync_plan
@@ -86,8 +89,11 @@ def test_actor_reports_are_the_declared_types(ray_local, files):
         assert (got.engine, got.version, got.payload_bytes, got.buckets) == ("conf0", 1, sent.payload_bytes, sent.buckets)
         values = sum(e.nbytes for e in plan.entries)  # + at most 63 bytes of alignment per entry
         assert sent.entries == len(plan.entries) and values <= sent.payload_bytes < values + 64 * len(plan.entries)
+        _check_refused_commit(engine, trainer, owner, base)
         ray.get(engine.commit.remote(owner, 1), timeout=60)
         assert ray.get(engine.weight_version.remote(), timeout=60) == 1
+        _check_served_weights(engine, base, adapter, table)
+        _check_digests_file(engine, tmp_path / "digests.json")
         _check_factor_calls(trainer, [m.name for m in owned])
         assert type(ray.get(engine.factor_state.remote(), timeout=60)) is FactorStateReport
         _check_export(engine, joiner, table)
@@ -97,6 +103,70 @@ def test_actor_reports_are_the_declared_types(ray_local, files):
     finally:
         for a in (trainer, engine, joiner):
             ray.kill(a)
+
+
+def _base_digests(base) -> dict[str, str]:
+    from protocols.params import full_box
+    from sync_service.engines.readback import tensor_digest
+    from sync_service.merge.base import SafetensorsBase
+
+    ckpt = SafetensorsBase(base)
+    return {m.name: tensor_digest(ckpt.read(m.name, full_box(m.shape))) for m in ckpt.metas()}
+
+
+def _check_refused_commit(engine, trainer, owner: str, base) -> None:
+    """A replayed sync's commit of another version is refused and drops the staged sync: the engine serves
+    its last committed weights (the base's), and the next sync of the version begins and is received."""
+    with pytest.raises(Exception, match=r"commit\(101\).*dropped"):
+        ray.get(engine.commit.remote(owner, 101), timeout=60)
+    served = ray.get(engine.served_weights.remote(), timeout=60)
+    assert served.version is None and ray.get(engine.weight_version.remote(), timeout=60) is None
+    assert {n: d["xxh3_64"] for n, d in served.digests().items()} == _base_digests(base)
+    received = engine.receive.remote(owner, 60.0)  # was: "begin_update(1) while version 1 is in progress"
+    ray.get(trainer.send.remote(SendRequest(owner=owner, session="s2", version=1, names=None, timeout_s=60.0)),
+            timeout=120)
+    assert ray.get(received, timeout=60).version == 1
+
+
+def _check_served_weights(engine, base, adapter, table) -> None:
+    """The served digests, computed on the engine, against PEFT's float64 merge cast once: a digest is
+    equal exactly where the bytes are, and the bytes are the merge's within its rounding."""
+    from sync_service.engines.readback import tensor_digest
+    from sync_service.verify.peft_oracle import compare_state, peft_merged_state
+
+    served = ray.get(engine.served_weights.remote(values=True), timeout=60)
+    assert type(served) is ServedWeights and served.engine == "conf0" and served.version == 1
+    assert {(t.name, t.dtype, t.shape) for t in served.tensors} == {(m.name, m.dtype, m.shape) for m in table}
+    oracle = peft_merged_state(base, adapter)
+    equal = 0
+    for t in served.tensors:
+        want = oracle[t.name].contiguous()
+        same_bytes = t.values == want.reshape(-1).view(torch.uint8).numpy().tobytes()
+        assert (t.xxh3_64 == tensor_digest(want)) == same_bytes, t.name
+        assert t.xxh3_64 == xxhash.xxh3_64_hexdigest(t.values)
+        equal += same_bytes
+    assert 0 < equal < len(served.tensors)  # untouched tensors equal; the adapter changed the others
+    got = {t.name: torch.frombuffer(bytearray(t.values), dtype=oracle[t.name].dtype).reshape(t.shape)
+           for t in served.tensors}
+    assert compare_state(got, oracle).ok
+    (one,) = ray.get(engine.served_weights.remote([table[0].name]), timeout=60).tensors
+    assert one.values is None and one.xxh3_64 == served.digests()[table[0].name]["xxh3_64"]
+    with pytest.raises(Exception, match="not served here"):
+        ray.get(engine.served_weights.remote(["no.such.tensor"]), timeout=60)
+
+
+def _check_digests_file(engine, path) -> None:
+    """``weightsync sync --digests FILE``'s writer: one entry per version, the engine's own digests."""
+    import json
+
+    from sync_service.entrypoints.sync_cli import write_digests
+
+    served = ray.get(engine.served_weights.remote(), timeout=60)
+    for version in (0, 1):
+        write_digests(path, version, [engine], timeout_s=60)
+    doc = json.loads(path.read_text())
+    assert [v["version"] for v in doc["versions"]] == [0, 1]
+    assert doc["versions"][1]["engines"] == {"conf0": {"version": 1, "tensors": served.digests()}}
 
 
 def _check_factor_calls(trainer, names: list[str]) -> None:
