@@ -3,7 +3,8 @@
 Ray wraps an actor's exception in ``RayTaskError`` (a traceback with colour codes) and a dead
 actor in ``RayActorError``; the coordinator's callers see neither: ``endpoint_error`` turns each
 into an ``EndpointError`` naming the endpoint, the call and the cause in one line
-(``EndpointDiedError`` when the actor is gone, ``EndpointTimeoutError`` — also a ``TimeoutError`` —
+(``EndpointDiedError`` when the actor is gone, saying why as far as known: ``deaths.death_cause``;
+``EndpointTimeoutError`` — also a ``TimeoutError`` —
 when it did not answer in time or raised a ``TimeoutError`` itself).
 """
 
@@ -15,7 +16,8 @@ from collections.abc import Sequence
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from protocols.endpoints import EndpointDiedError, EndpointError, EndpointTimeoutError, clean_error_text
+from protocols.endpoints import EndpointError, EndpointTimeoutError, clean_error_text
+from sync_service.coordinator.deaths import died_error
 
 __all__ = ["alive", "call_all", "endpoint_error", "settle"]
 
@@ -33,8 +35,7 @@ def endpoint_error(endpoint: str, call: str, exc: BaseException) -> EndpointErro
         return kind(endpoint, call, type(cause).__name__ if cause is not None else exc.function_name,
                     clean_error_text(text) or type(cause).__name__)
     if isinstance(exc, RayActorError):
-        return EndpointDiedError(endpoint, call, type(exc).__name__,
-                                 "the actor died (killed, crashed or out of memory)")
+        return died_error(exc, endpoint, call)
     if isinstance(exc, (GetTimeoutError, TimeoutError)):
         return EndpointTimeoutError(endpoint, call, "TimeoutError", clean_error_text(str(exc)) or "no answer")
     return EndpointError(endpoint, call, type(exc).__name__, clean_error_text(str(exc)) or type(exc).__name__)

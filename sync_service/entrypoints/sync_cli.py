@@ -132,7 +132,12 @@ def start_ray(tmp: Path) -> None:
 
 def run_local(cfg: RunConfig, launcher) -> list[VersionRow]:
     """Start Ray, trainers and engines (``launcher``: ``protocols.endpoints.Launcher``); push and
-    verify ``cfg.versions`` versions. Returns the rows."""
+    verify ``cfg.versions`` versions. Returns the rows.
+
+    Raises:
+        EndpointDiedError: an actor died; its cause (``coordinator.deaths.death_cause``) is looked up before
+            Ray's temp dir, which holds the dead worker's log, is removed.
+    """
     import ray
 
     from sync_service.api import WeightSync
@@ -166,6 +171,10 @@ def run_local(cfg: RunConfig, launcher) -> list[VersionRow]:
                 write_digests(cfg.digests_path, v, engines, cfg.timeout_s)
             print_row(rows[-1])
         sync.close()
+    except ray.exceptions.RayActorError as exc:  # a bare ray.get (start-up, train_step): say why, while the logs exist
+        from sync_service.coordinator.deaths import died_error
+
+        raise died_error(exc) from exc
     finally:
         steps.close()
         ray.shutdown()
