@@ -143,6 +143,19 @@ def _sleep(spins: int) -> None:
     time.sleep(0 if spins < 50 else 0.0002 if spins < 2000 else 0.001)
 
 
+def _reserve(fd: int, size: int, path: str) -> None:
+    """Allocate every page of the segment now (``posix_fallocate``; ``ftruncate`` only sets the size and tmpfs
+    backs a page when touched): a full ``SHM_DIR`` is a ``TransportError`` (sizes, fix) at channel open, not a
+    SIGBUS that kills the writer at its first write into an unbacked page."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        st = os.statvfs(SHM_DIR)
+        raise TransportError(
+            f"shm segment {path}: {size >> 20} MiB do not fit in {SHM_DIR} ({st.f_bavail * st.f_frsize >> 20} MiB "
+            f"free): {exc.strerror}; free {SHM_DIR}, give it more room, or lower bucket_bytes / slots") from exc
+
+
 class ShmSender:
     """Sender side: creates the segment ``/dev/shm/weightsync-<name>-s<sender>``."""
 
@@ -164,12 +177,15 @@ class ShmSender:
     def _create(self) -> tuple[mmap.mmap, int]:
         """The mapped, initialised segment and its inode, published at ``self.path`` only once complete: sized and
         filled under a private name, then linked (atomic, fails if the name is taken), so a receiver
-        polling for the path never sees a half-created segment."""
+        polling for the path never sees a half-created segment.
+
+        Raises:
+            TransportError: ``SHM_DIR`` cannot hold the segment (``_reserve``)."""
         spec, staging = self.spec, f"{self.path}{_STAGING}{os.getpid()}"
         size = _Segment.size(spec)
         fd = os.open(staging, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, size)
+            _reserve(fd, size, self.path)
             mm = mmap.mmap(fd, size)
             g = np.frombuffer(mm, dtype=np.uint8, count=64).view(np.uint64)
             np.frombuffer(mm, dtype=np.uint8)[:] = 0  # touch every page once, here

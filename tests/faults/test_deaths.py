@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -141,3 +142,34 @@ def _remove(cgroup: Path) -> None:
         except OSError:
             time.sleep(0.1)
 
+
+SMALL_TMPFS_SENDER = """
+import sys
+from sync_service.transports import TransportSpec, shm
+from protocols.interfaces import TransportError
+shm.SHM_DIR = sys.argv[1]  # a 1 MiB tmpfs: this child's shared-memory directory
+try:
+    shm.ShmSender(TransportSpec(kind="shm", name="full", bucket_bytes=4 << 20), 0)
+except TransportError as exc:
+    print(exc)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (mounts a 1 MiB tmpfs)")
+def test_a_full_shm_dir_is_an_error_at_open_not_a_sigbus_in_the_writer(tmp_path):
+    """The ring writer of a segment that does not fit its tmpfs (a child process: before, it died of SIGBUS)."""
+    from tests.ray_session import ROOT
+
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(tmp_path)], capture_output=True,
+                      timeout=10).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        done = subprocess.run([sys.executable, "-c", SMALL_TMPFS_SENDER, str(tmp_path)], capture_output=True,
+                              text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+        left = os.listdir(tmp_path)
+    finally:
+        subprocess.run(["umount", str(tmp_path)], timeout=10)
+    assert done.returncode == 0, f"the writer died (status {done.returncode}): {done.stderr[-1000:]}"
+    assert re.fullmatch(rf"shm segment {tmp_path}/weightsync-full-s0: \d+ MiB do not fit in {tmp_path} \(\d+ MiB "
+                        r"free\): No space left on device; free .*\n", done.stdout), done.stdout
+    assert left == [], left
