@@ -123,7 +123,7 @@ def run_bench(cfg: BenchConfig, *, launcher, argv: list[str] | None = None, say=
     failed: list[dict] = []
     factor_bytes: dict[int, int] = {}
     work = _work_dir(cfg)
-    tmp = run_dir("wsb")
+    tmp = run_dir("bench")
     sizes = cfg.link_sizes() if cfg.link_only else sorted(set(cfg.sizes))
     steps = Steps(len(sizes) + (not cfg.link_only) + bool(cfg.links))  # a bar on a terminal, nothing elsewhere
     try:

@@ -52,6 +52,10 @@ RAY_REASONS: tuple[tuple[str, str], ...] = (
 )
 
 
+_INIT = re.compile(r"ray::(\w+\.__init__)\(\)")
+"""Ray's name of a failed creation task (``ray::RolloutEngineCore.__init__()``)."""
+
+
 def death_cause(exc: BaseException) -> str:
     """One line (no newline): why the actor of ``exc`` (a ``RayActorError``) died, as far as known;
     always starts "the actor died". Never raises; reads files and ``dmesg`` (bounded: 5 s)."""
@@ -62,6 +66,8 @@ def death_cause(exc: BaseException) -> str:
     for needle, reason in RAY_REASONS:
         if needle in text:
             detail = clean_error_text(text) if needle == "creation task" else ""
+            init = _INIT.search(text) if needle == "creation task" else None
+            reason = f"{init.group(1)} raised" if init else reason
             return f"{head}: {reason}" + (f": {detail}" if detail else "")
     if pid_match is None:
         return f"{head}: killed, crashed or out of memory (Ray did not say which process)"

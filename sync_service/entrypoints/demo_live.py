@@ -61,7 +61,7 @@ def _run(cfg: RunConfig, kind: str, losses: list, launcher) -> list[VersionRow]:
     from sync_service.api import WeightSync
     from sync_service.live.example import ExampleTrainingRank, lora_config
 
-    tmp = run_dir("wslive")
+    tmp = run_dir("live")
     rows: list[VersionRow] = []
     steps = Steps(4 + 2 * cfg.versions)
     try:

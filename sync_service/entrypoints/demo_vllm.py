@@ -52,7 +52,7 @@ def run_vllm(cfg: RunConfig, launcher) -> list[VersionRow]:
 
     if cfg.adapter is None:
         raise ValueError("the vLLM demo needs an adapter (versions differ by their factors)")
-    tmp = run_dir("wsvllm")
+    tmp = run_dir("vllm")
     rows: list[VersionRow] = []
     steps = Steps(3 + cfg.versions)
     try:

@@ -63,7 +63,7 @@ def run_server(cfg: RunConfig, launcher) -> list[VersionRow]:
 
     if cfg.adapter is None:
         raise ValueError("--engine vllm-server needs --adapter (versions differ by their factors)")
-    tmp = run_dir("wsvllmsrv")
+    tmp = run_dir("vsrv")
     rows: list[VersionRow] = []
     steps = Steps(4 + cfg.versions)
     with contextlib.ExitStack() as stack:

@@ -116,7 +116,7 @@ def execute(cfg: DeployConfig, address: str | None, json_path: Path | None, laun
 
     secret = load_secret(cfg.secret)
     quiet_libraries()
-    tmp = run_dir("wsrun")
+    tmp = run_dir("run")
     rows: list = []
     t0 = time.perf_counter()
     steps = Steps(3 + cfg.run.versions)

@@ -143,7 +143,7 @@ def run_local(cfg: RunConfig, launcher) -> list[VersionRow]:
     from sync_service.api import WeightSync
     from sync_service.entrypoints.local import AdapterReplay
 
-    tmp = run_dir("wsync")
+    tmp = run_dir("sync")
     work = cfg.work_dir or tmp / "work"
     rows: list[VersionRow] = []
     steps = Steps(3 + 2 * cfg.versions)

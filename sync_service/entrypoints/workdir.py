@@ -1,8 +1,9 @@
 """Temporary directories of the commands: all of one process's under one per-run directory, which a
 later run removes once that process is gone.
 
-Layout: ``<system temp dir>/weightsync-<pid>-<start>/`` per process (``start``: the process's create
-time, ms since the epoch, as psutil reports it), and inside it the ``mkdtemp`` directories of
+Layout: ``<system temp dir>/wsrun-<pid>-<start>/`` per process (``start``: the process's create time, ms
+since the epoch, as psutil reports it; both in base 36, so the path stays short: Ray's AF_UNIX socket
+paths under a run directory must fit in 107 bytes), and inside it the ``mkdtemp`` directories of
 ``run_dir(prefix)``. A command removes its own directories when it ends (its ``finally``); a driver
 killed by SIGKILL or the OOM killer cannot, and leaves them — the next ``run_dir`` of any command
 first removes every per-run directory whose owner is no longer running (``sweep_stale``), as the shm
@@ -24,9 +25,12 @@ import psutil
 
 __all__ = ["RUN_PREFIX", "run_dir", "run_root", "sweep_stale"]
 
-RUN_PREFIX = "weightsync-"
+RUN_PREFIX = "wsrun-"
 """Name prefix of every per-run directory in the system temp directory."""
-_NAME = re.compile(rf"{RUN_PREFIX}(\d+)-(\d+)")
+MARKER = ".weightsync-run"
+"""File every per-run directory holds: the sweep removes only directories that carry it (never another
+program's directory whose name happens to match)."""
+_NAME = re.compile(rf"{RUN_PREFIX}([0-9a-z]+)-([0-9a-z]+)")
 
 
 def _start_ms(pid: int) -> int | None:
@@ -38,18 +42,32 @@ def _start_ms(pid: int) -> int | None:
         return None
 
 
+def _b36(n: int) -> str:
+    """``n`` >= 0 in base 36 (digits, then lower-case letters): what ``int(s, 36)`` reads back."""
+    digits = ""
+    while True:
+        n, r = divmod(n, 36)
+        digits = "0123456789abcdefghijklmnopqrstuvwxyz"[r] + digits
+        if not n:
+            return digits
+
+
 def _owner_dir(root: Path) -> Path:
     """This process's per-run directory under ``root`` (created on first use)."""
-    path = root / f"{RUN_PREFIX}{os.getpid()}-{_start_ms(os.getpid())}"
+    path = root / f"{RUN_PREFIX}{_b36(os.getpid())}-{_b36(_start_ms(os.getpid()) or 0)}"
     if not path.is_dir():
         path.mkdir(mode=0o700, exist_ok=True)
+        (path / MARKER).touch()
         atexit.register(_remove_if_empty, path)  # what the command removed itself leaves it empty
     return path
 
 
 def _remove_if_empty(path: Path) -> None:
+    """Remove ``path`` if it holds only its marker (what the command removed itself leaves)."""
     with contextlib.suppress(OSError):
-        path.rmdir()
+        if [p.name for p in path.iterdir()] == [MARKER]:
+            (path / MARKER).unlink()
+            path.rmdir()
 
 
 def sweep_stale(root: str | Path | None = None) -> list[Path]:
@@ -60,7 +78,7 @@ def sweep_stale(root: str | Path | None = None) -> list[Path]:
     removed = []
     for path in root.glob(f"{RUN_PREFIX}*"):
         m = _NAME.fullmatch(path.name)
-        if m is None or not path.is_dir() or _start_ms(int(m.group(1))) == int(m.group(2)):
+        if m is None or not (path / MARKER).is_file() or _start_ms(int(m.group(1), 36)) == int(m.group(2), 36):
             continue
         shutil.rmtree(path, ignore_errors=True)
         if not path.exists():
@@ -69,7 +87,7 @@ def sweep_stale(root: str | Path | None = None) -> list[Path]:
 
 
 def run_root(root: str | Path | None = None) -> Path:
-    """This process's per-run directory ``<root>/weightsync-<pid>-<start>`` (``root`` default: the system
+    """This process's per-run directory ``<root>/wsrun-<pid>-<start>`` (``root`` default: the system
     temp directory), the ``dir=`` of a ``tempfile.TemporaryDirectory``; sweeps stale per-run directories first."""
     root = Path(tempfile.gettempdir() if root is None else root)
     sweep_stale(root)

@@ -33,15 +33,30 @@ def test_sigkilled_owner_swept_live_and_foreign_kept(tmp_path):
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=30)
     mine = workdir.run_dir("wsrun", root=tmp_path)
-    assert mine.parent.name.startswith(f"{workdir.RUN_PREFIX}{os.getpid()}-")
+    assert mine.parent.name.startswith(f"{workdir.RUN_PREFIX}{workdir._b36(os.getpid())}-")
     assert not left.parent.exists(), "the killed driver's per-run directory survived the next run"
-    start = int(re.fullmatch(r"weightsync-\d+-(\d+)", mine.parent.name).group(1))
-    recycled = tmp_path / f"{workdir.RUN_PREFIX}{os.getpid()}-{start - 1000}"  # this pid, another process's start
+    start = int(re.fullmatch(r"wsrun-[0-9a-z]+-([0-9a-z]+)", mine.parent.name).group(1), 36)
+    recycled = tmp_path / f"{workdir.RUN_PREFIX}{workdir._b36(os.getpid())}-{workdir._b36(start - 1000)}"  # this pid, another start
     recycled.mkdir()
-    other = tmp_path / "weightsync-notes"  # not a per-run directory name
+    (recycled / workdir.MARKER).touch()
+    other = tmp_path / "wsrun-notes"  # not a per-run directory name
     other.mkdir()
+    unmarked = tmp_path / f"{workdir.RUN_PREFIX}1-1"  # the name of a gone owner, but no marker: not ours
+    unmarked.mkdir()
     assert workdir.sweep_stale(tmp_path) == [recycled]
-    assert mine.is_dir() and other.is_dir()
+    assert mine.is_dir() and other.is_dir() and unmarked.is_dir()
+
+
+def test_ray_socket_paths_under_a_run_dir_fit_af_unix():
+    """Ray's plasma socket lives at <_temp_dir>/session_<date>_<pid>/sockets/plasma_store; an AF_UNIX path
+    holds at most 107 bytes (a longer per-run name once failed every ``weightsync sync`` at Ray's start)."""
+    ray_dir = workdir.run_dir("vsrv") / "ray"
+    try:
+        socket = ray_dir / "session_2026-12-03_15-32-14_417624_4194304" / "sockets" / "plasma_store"
+        assert len(str(socket)) <= 107, socket
+    finally:
+        import shutil
+        shutil.rmtree(ray_dir.parent)
 
 
 def test_commands_make_temp_dirs_only_through_workdir():

@@ -39,7 +39,7 @@ def run_demo_rl(cache_dir: Path, *, config: RLConfig, png_path: Path | None, jso
 
     quiet_libraries()
     base, adapter = ensure_files(cache_dir)
-    tmp = run_dir("wsrl")
+    tmp = run_dir("rl")
     try:
         start_ray(tmp / "ray")
         result = run_rl(base, adapter, config, vocab_size=DEMO_MODEL["vocab_size"], launcher=launcher)
