@@ -26,7 +26,7 @@ from sync_service.bench.report import build_report
 from sync_service.bench.rows import BenchConfig, Row, guarded
 from sync_service.bench.rss import RssSampler
 from sync_service.bench.vllm_rows import run_vllm
-from sync_service.entrypoints.workdir import run_dir
+from sync_service.entrypoints.workdir import run_dir, ray_temp
 
 __all__ = ["run_bench", "run_floor"]
 
@@ -78,7 +78,7 @@ def _one_host(model, cfg: BenchConfig, size: int, rows: list[Row], failed: list[
     from sync_service.entrypoints.sync_cli import start_ray
 
     if not ray.is_initialized():
-        start_ray(tmp / "ray")
+        start_ray(ray_temp(tmp))
     guarded(failed, "ours", size, say, lambda: run_ours(model, cfg, size, rows, launcher, say=say))
     if cfg.runs("live_fsdp2", size):
         guarded(failed, "live_fsdp2", size, say, lambda: rows.append(run_live(model, cfg, size, launcher, say=say)))
@@ -123,7 +123,7 @@ def run_bench(cfg: BenchConfig, *, launcher, argv: list[str] | None = None, say=
     failed: list[dict] = []
     factor_bytes: dict[int, int] = {}
     work = _work_dir(cfg)
-    tmp = run_dir("bench")
+    tmp = run_dir("b")
     sizes = cfg.link_sizes() if cfg.link_only else sorted(set(cfg.sizes))
     steps = Steps(len(sizes) + (not cfg.link_only) + bool(cfg.links))  # a bar on a terminal, nothing elsewhere
     try:

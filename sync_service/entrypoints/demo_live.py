@@ -17,7 +17,7 @@ from pathlib import Path
 from sync_service.entrypoints.sync_cli import (RunConfig, VersionRow, first_version, print_row, run_and_report, start_ray,
                                                sync_config)
 from sync_service.entrypoints.progress import Steps
-from sync_service.entrypoints.workdir import run_dir
+from sync_service.entrypoints.workdir import run_dir, ray_temp
 
 __all__ = ["run_trainer_demo", "save_adapter"]
 
@@ -66,7 +66,7 @@ def _run(cfg: RunConfig, kind: str, losses: list, launcher) -> list[VersionRow]:
     steps = Steps(4 + 2 * cfg.versions)
     try:
         steps.step("starting a local Ray (2 CPUs)")
-        start_ray(tmp / "ray")
+        start_ray(ray_temp(tmp))
         steps.step(f"starting {WORLD} training ranks ({kind}), attaching weightsync")
         actor = ray.remote(num_cpus=0, max_concurrency=2)(ExampleTrainingRank)
         ranks = [actor.remote(k, WORLD) for k in range(WORLD)]

@@ -20,7 +20,7 @@ from sync_service.entrypoints.progress import Steps
 from sync_service.verify.hf import MAX_NEW_TOKENS, PROMPTS
 from sync_service.entrypoints.sync_cli import (RunConfig, VersionRow, announce_metrics, print_row,
                                    run_and_report)
-from sync_service.entrypoints.workdir import run_dir
+from sync_service.entrypoints.workdir import run_dir, ray_temp
 
 __all__ = ["execute_vllm", "peft_versions"]
 
@@ -61,7 +61,7 @@ def run_vllm(cfg: RunConfig, launcher) -> list[VersionRow]:
         expected = fresh_decodes({str(k): d for k, d in merged.items()}, PROMPTS, MAX_NEW_TOKENS,
                                  timeout_s=max(600.0, cfg.timeout_s))
         steps.step("starting a local Ray, the trainer shards and the vLLM engine")
-        start_ray(tmp / "ray")
+        start_ray(ray_temp(tmp))
         trainers = launcher.start_trainers(cfg.base, cfg.adapter, ep=cfg.ep, tp=cfg.tp, timeout_s=cfg.timeout_s)
         engines = launcher.start_engines(cfg.base, 1, engine="vllm", timeout_s=max(300.0, cfg.timeout_s),
                                          prefix="vllm")

@@ -22,7 +22,7 @@ from sync_service.entrypoints.progress import Steps
 from sync_service.verify.hf import MAX_NEW_TOKENS, PROMPTS
 from sync_service.entrypoints.sync_cli import (RunConfig, VersionRow, announce_metrics, print_row,
                                    run_and_report)
-from sync_service.entrypoints.workdir import run_dir
+from sync_service.entrypoints.workdir import run_dir, ray_temp
 
 __all__ = ["execute_server", "run_server"]
 
@@ -75,7 +75,7 @@ def run_server(cfg: RunConfig, launcher) -> list[VersionRow]:
         steps.step("vLLM server(s): " + ("connecting" if cfg.vllm_urls else f"starting {cfg.engines} on this machine"))
         urls = _servers(cfg, stack, tmp)
         steps.step("starting a local Ray and the trainer shards")
-        start_ray(tmp / "ray")
+        start_ray(ray_temp(tmp))
         stack.callback(ray.shutdown)
         stack.callback(steps.close)
         trainers = launcher.start_trainers(cfg.base, cfg.adapter, ep=cfg.ep, tp=cfg.tp, timeout_s=cfg.timeout_s)

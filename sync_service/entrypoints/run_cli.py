@@ -23,7 +23,7 @@ from sync_service.entrypoints.progress import Steps
 from sync_service.verify.hf import verify_weights
 from sync_service.entrypoints.sync_cli import (VersionRow, add_version_arguments, announce_metrics, first_version, print_header,
                                                print_row, quiet_libraries, write_json)
-from sync_service.entrypoints.workdir import run_dir
+from sync_service.entrypoints.workdir import run_dir, ray_temp
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -122,7 +122,7 @@ def execute(cfg: DeployConfig, address: str | None, json_path: Path | None, laun
     steps = Steps(3 + cfg.run.versions)
     try:
         steps.step(f"connecting to Ray ({address or 'a local one'})")
-        connect(address, cfg, tmp / "ray")
+        connect(address, cfg, ray_temp(tmp))
         steps.step(f"placing {cfg.trainers.shards} trainer shard(s) and {cfg.engines.count} engine(s)")
         deployment = Deployment.start(cfg, launcher)
         try:

@@ -29,7 +29,7 @@ from sync_service.entrypoints.preflight import (CLI_ENGINES, check_adapter, chec
 from sync_service.entrypoints.progress import Steps
 from sync_service.transports.spec import TRANSPORTS
 from sync_service.verify.hf import verify_version
-from sync_service.entrypoints.workdir import run_dir, run_root
+from sync_service.entrypoints.workdir import run_dir, run_root, ray_temp
 
 
 
@@ -149,7 +149,7 @@ def run_local(cfg: RunConfig, launcher) -> list[VersionRow]:
     steps = Steps(3 + 2 * cfg.versions)
     try:
         steps.step("starting a local Ray (2 CPUs)")
-        start_ray(tmp / "ray")
+        start_ray(ray_temp(tmp))
         steps.step(f"starting {cfg.ep * cfg.tp} trainer shard(s) (ep={cfg.ep}, tp={cfg.tp}) and {cfg.engines} engine(s)")
         trainers, engines = start_actors(cfg, launcher)
         names = [ray.get(e.engine_name.remote()) for e in engines]

@@ -94,6 +94,12 @@ def run_root(root: str | Path | None = None) -> Path:
     return _owner_dir(root)
 
 
+def ray_temp(run: Path) -> Path:
+    """Ray's ``_temp_dir`` inside the per-run directory ``run``: a one-letter name, since Ray's plasma
+    socket ``<it>/session_<date>_<pid>/sockets/plasma_store`` must fit AF_UNIX's 107 bytes."""
+    return run / "r"
+
+
 def run_dir(prefix: str, root: str | Path | None = None) -> Path:
     """A new private directory ``<run_root(root)>/<prefix>XXXXXXXX`` for the caller to remove when done."""
     return Path(tempfile.mkdtemp(prefix=prefix, dir=run_root(root)))

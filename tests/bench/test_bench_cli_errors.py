@@ -40,13 +40,13 @@ def _wait_for(predicate, what: str, proc: subprocess.Popen) -> None:
 
 
 def test_sigterm_cleans_up_like_ctrl_c(tmp_path):
-    temp, cache = Path(tempfile.mkdtemp(prefix="wst", dir="/tmp")), tmp_path / "cache"  # short: Ray's socket paths
+    temp, cache = Path(tempfile.mkdtemp(prefix="w", dir="/tmp")), tmp_path / "cache"  # short: Ray's socket paths
     proc = subprocess.Popen([sys.executable, "-m", "actors.cli", "bench", "--quick", "--sizes", "1", "--cache-dir",
                              str(cache), "--timeout", "300"], cwd=REPO, env={**os.environ, "TMPDIR": str(temp)},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         # at once: the bench is generating its model, Ray not started yet (whose handler exits 15, cleaning up too)
-        _wait_for(lambda: any(temp.glob("wsb*")) and any(cache.glob("disk-*")), "its directories", proc)
+        _wait_for(lambda: any(temp.glob("wsrun-*/b*")) and any(cache.glob("disk-*")), "its directories", proc)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=120)
     finally:

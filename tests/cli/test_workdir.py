@@ -50,9 +50,9 @@ def test_sigkilled_owner_swept_live_and_foreign_kept(tmp_path):
 def test_ray_socket_paths_under_a_run_dir_fit_af_unix():
     """Ray's plasma socket lives at <_temp_dir>/session_<date>_<pid>/sockets/plasma_store; an AF_UNIX path
     holds at most 107 bytes (a longer per-run name once failed every ``weightsync sync`` at Ray's start)."""
-    ray_dir = workdir.run_dir("vsrv") / "ray"
+    ray_dir = workdir.ray_temp(workdir.run_dir("vsrv"))
     try:
-        socket = ray_dir / "session_2026-12-03_15-32-14_417624_4194304" / "sockets" / "plasma_store"
+        socket = ray_dir / "session_2026-12-03_15-32-14_417624_32768" / "sockets" / "plasma_store"
         assert len(str(socket)) <= 107, socket
     finally:
         import shutil

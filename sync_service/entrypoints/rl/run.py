@@ -10,7 +10,7 @@ from pathlib import Path
 
 from sync_service.entrypoints.rl.config import RLConfig
 from sync_service.entrypoints.rl.loop import RLResult, run_rl, window_means
-from sync_service.entrypoints.workdir import run_dir
+from sync_service.entrypoints.workdir import run_dir, ray_temp
 
 __all__ = ["run_demo_rl", "rose"]
 
@@ -41,7 +41,7 @@ def run_demo_rl(cache_dir: Path, *, config: RLConfig, png_path: Path | None, jso
     base, adapter = ensure_files(cache_dir)
     tmp = run_dir("rl")
     try:
-        start_ray(tmp / "ray")
+        start_ray(ray_temp(tmp))
         result = run_rl(base, adapter, config, vocab_size=DEMO_MODEL["vocab_size"], launcher=launcher)
     finally:
         ray.shutdown()
