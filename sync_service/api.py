@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from sync_service import defaults
 from sync_service.coordinator import Coordinator, PlanMismatchError
+from sync_service.coordinator.planning import DtypeConflictError
 from sync_service.coordinator.join import JoinMetrics
 from sync_service.coordinator.metrics import EngineResult, SyncError, SyncMetrics
 from sync_service.coordinator.versions import check_version
@@ -36,7 +37,7 @@ from sync_service.transports.spec import RELAYS, TRANSPORTS
 from sync_service.factor_stream.choose import FactorPolicy
 from sync_service.factor_stream.coordination import FactorCoordination
 
-__all__ = ["EngineResult", "JoinMetrics", "PlanMismatchError", "PushHandle", "SyncConfig", "SyncError", "SyncMetrics",
+__all__ = ["DtypeConflictError", "EngineResult", "JoinMetrics", "PlanMismatchError", "PushHandle", "SyncConfig", "SyncError", "SyncMetrics",
            "WeightSync"]
 
 
@@ -213,7 +214,9 @@ class WeightSync:
     must increase.
 
     Raises (constructor):
-        PlanMismatchError: an engine's table does not fit the trainers' plan.
+        PlanMismatchError: an engine's table does not fit the trainers' plan (a float64/float32/float16/
+            bfloat16 tensor an engine holds in another of these dtypes fits: it is cast once into the engine's).
+        DtypeConflictError: engines hold one tensor in different dtypes (one bucket stream serves them all).
         ValueError: bad config, no trainers, a box produced by two trainers.
     """
 
@@ -389,6 +392,12 @@ class WeightSync:
     def plan(self):
         """The sync plan (``protocols.wire.SyncPlan``): who sends which box, in which bucket."""
         return self._coordinator.plan
+
+    @property
+    def dtype_conversions(self) -> dict[tuple[str, str], int]:
+        """The plan's casts: ``(trainer dtype, engine dtype)`` → number of tensors the trainers merge in their
+        accumulation dtype and cast once into the engines' dtype (empty when the engines hold the trainers')."""
+        return dict(self._coordinator.conversions)
 
     def close(self) -> None:
         with self._push_lock:

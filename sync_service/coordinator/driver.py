@@ -17,6 +17,7 @@ channel again (``channel.py``).
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -29,12 +30,14 @@ from sync_service.coordinator.join import JoinMetrics, peer_copy
 from sync_service.coordinator.membership import Membership
 from sync_service.coordinator.metrics import EngineResult, SyncError, SyncMetrics
 from sync_service.coordinator.modes import MergedMode, SyncMode
-from sync_service.coordinator.planning import check_plan_size
+from sync_service.coordinator.planning import check_plan_size, engine_dtypes
 from sync_service.coordinator.transfer import GRACE_S, Prepared, Transfer
 from sync_service.coordinator.versions import check_push_version
 from sync_service.security import new_secret
 
 __all__ = ["Coordinator"]
+
+log = logging.getLogger(__name__)
 
 
 class Coordinator:
@@ -64,15 +67,26 @@ class Coordinator:
         self._secret = config.secret if config.secret is not None else new_secret()  # HMAC key of every bucket
         self._mode = MergedMode() if mode is None else mode(self.trainers, self._trainer_get)
         owned = self._trainer_get([t.owned_metas.remote() for t in self.trainers], "owned_metas")
-        owned = [list(m) for m in owned]
+        described: list[tuple[str, list, int | None]] = []  # the engines' tables decide the dtypes sent
+        for engine in engines:
+            described.append(self._describe(engine, taken=[d[0] for d in described]))
+        owned, conversions = engine_dtypes([list(m) for m in owned], {name: table for name, table, _ in described})
+        self.conversions: dict[tuple[str, str], int] = conversions
+        """(trainer dtype, engine dtype) → number of tensors the trainers cast into the engines' dtype (the plan's
+        summary of ``planning.engine_dtypes``; empty when the engines hold the trainers' dtypes)."""
+        if self.conversions:
+            log.info("plan: tensors cast into the engines' dtype: %s",
+                     ", ".join(f"{n} {a} -> {b}" for (a, b), n in sorted(self.conversions.items())))
         check_plan_size(owned, bucket_bytes=config.bucket_bytes)  # before seconds of splitting
         self._plan = self._mode.build_plan(owned, bucket_bytes=config.bucket_bytes)
         plan_bytes = encode(self._plan)
         check_plan_size(owned, bucket_bytes=config.bucket_bytes, encoded=len(plan_bytes))
         self._channel = Channel(owner=uuid.uuid4().hex[:8], plan_bytes=plan_bytes,
                                 bucket_bytes=self._plan.bucket_bytes, secret=self._secret, config=config)
-        for engine in engines:
-            name, table, self.served[name] = self._validate(engine)  # a late joiner takes the fleet's version
+        for name, table, served in described:  # every engine fits before any is admitted
+            self._mode.validate(self._plan, table, engine=name)
+        for engine, (name, table, served) in zip(engines, described):
+            self.served[name] = served  # a late joiner takes the fleet's version
             self.members.admit(engine, name, table, None)
         if self.members.handles:
             self._open()  # now, so the first push measures the transfer only
@@ -264,11 +278,15 @@ class Coordinator:
         unless ``config.reset_versions``, above what every engine served when admitted (``versions.py``)."""
         check_push_version(version, previous, self.served, reset=self.config.reset_versions)
 
-    def _validate(self, engine) -> tuple[str, list, int | None]:
+    def _describe(self, engine, taken: Sequence[str] = ()) -> tuple[str, list, int | None]:
+        """(name unique among the members and ``taken``, parameter table, served version) of ``engine``."""
         name, raw, served = self._get([engine.engine_name.remote(), engine.param_metas.remote(),
                                        engine.weight_version.remote()], "param_metas")
         name = self.members.unique_name(name)
-        table = list(raw)
+        return (f"{name}#{len(taken)}" if name in taken else name), list(raw), served
+
+    def _validate(self, engine) -> tuple[str, list, int | None]:
+        name, table, served = self._describe(engine)
         self._mode.validate(self._plan, table, engine=name)
         return name, table, served
 

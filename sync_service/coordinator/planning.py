@@ -6,18 +6,27 @@ against one engine's parameter table *before the first byte moves*: every sent n
 exactly one engine parameter with the same shape and dtype, every engine parameter is covered
 completely (a full sync must leave nothing at the engine's initial values), and no element is sent
 twice. Errors list the offending names on both sides.
+
+``engine_dtypes`` runs first: the engines' tables decide the dtype a tensor is sent in. Where every engine
+holding a tensor holds it in one merge dtype (``protocols.params.MERGE_DTYPES``) other than the trainers' (an
+fp32 trainer, bf16 engines), the plan carries the engines' dtype and the trainers merge in their accumulation
+dtype and cast once into it, straight into the bucket (``MergeConfig.out_dtypes``). One bucket stream serves
+every engine, so engines that hold one tensor in two dtypes are refused (``DtypeConflictError``); a shape,
+an FP8 or an integer dtype that differs is left to ``validate_plan`` to refuse.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
-from protocols.params import DTYPE_BYTES, ParamMeta, box_numel
+from protocols.params import DTYPE_BYTES, MERGE_DTYPES, ParamMeta, box_numel
 from protocols.wire import MAX_HEADER_BYTES, MAX_PLAN_ENTRIES, SyncPlan, encode
 from sync_service.streaming.plan import build_plan, combine_plans, plan_entries, smallest_bucket_bytes
 
-__all__ = ["PlanMismatchError", "build_sync_plan", "check_plan_size", "validate_plan"]
+__all__ = ["DtypeConflictError", "PlanMismatchError", "build_sync_plan", "check_plan_size", "engine_dtypes",
+           "validate_plan"]
 
 
 class PlanMismatchError(ValueError):
@@ -38,9 +47,65 @@ class PlanMismatchError(ValueError):
             parts.append(f"{len(mismatched)} shape/dtype mismatch(es), e.g. {mismatched[:3]}")
         super().__init__(
             f"engine {engine!r}: plan does not match its parameter table: {'; '.join(parts)}. "
-            f"Load the engine from the same model family/size and dtype as the trainers' base."
+            f"Load the engine from the same model family/size as the trainers' base (a float64/float32/"
+            f"float16/bfloat16 engine tensor is served cast from the trainers' dtype; FP8 and integer dtypes must match)."
         )
         self.engine, self.unexpected, self.missing, self.mismatched = engine, unexpected, missing, mismatched
+
+
+class DtypeConflictError(ValueError):
+    """Engines hold one tensor in different dtypes; one bucket stream cannot serve both. Nothing was sent.
+
+    Attributes:
+        conflicts: tensor name → {engine name: the dtype it holds the tensor in}.
+    """
+
+    def __init__(self, conflicts: Mapping[str, Mapping[str, str]]):
+        first = sorted(conflicts)[:3]
+        shown = "; ".join(f"{n}: " + ", ".join(f"engine {e!r} {d}" for e, d in sorted(conflicts[n].items()))
+                          for n in first)
+        super().__init__(
+            f"{len(conflicts)} tensor(s) held in different dtypes by different engines, e.g. {shown}; one bucket "
+            f"stream serves every engine of a WeightSync: load every engine in one dtype (e.g. --dtype / "
+            f"from_pretrained(dtype=...)), or sync the engines of each dtype with a WeightSync of their own"
+        )
+        self.conflicts = {n: dict(d) for n, d in conflicts.items()}
+
+
+def engine_dtypes(owned: Sequence[Sequence[ParamMeta]], tables: Mapping[str, Sequence[ParamMeta]]
+                  ) -> tuple[list[list[ParamMeta]], dict[tuple[str, str], int]]:
+    """``owned`` with each tensor's dtype set to the one its engines hold, where that is a cast the merge makes.
+
+    ``owned[rank]``: the trainer ranks' boxes (the base's dtype); ``tables``: engine name → its parameter table.
+    A tensor whose engines all hold it in one dtype ``d`` that differs from the trainers' ``t``, with both
+    in ``MERGE_DTYPES`` (float64 / float32 / float16 / bfloat16), is sent as ``d``. Anything else keeps the
+    trainers' dtype, so ``validate_plan`` refuses it by name (a float8 engine needs scales; an integer
+    tensor is never converted).
+
+    Returns:
+        ``(owned with the engines' dtypes, {(from, to): number of tensors converted})``.
+
+    Raises:
+        DtypeConflictError: a tensor the engines hold in two or more dtypes, naming it, the engines and the dtypes.
+    """
+    held: dict[str, dict[str, str]] = defaultdict(dict)  # tensor → engine → dtype
+    for engine, table in tables.items():
+        for m in table:
+            held[m.name][engine] = m.dtype
+    sent = {m.name: m.dtype for ranks in owned for m in ranks}
+    conflicts = {n: held[n] for n in sorted(sent) if len(set(held.get(n, {}).values())) > 1}
+    if conflicts:
+        raise DtypeConflictError(conflicts)
+    cast: dict[str, str] = {}
+    for name, dtype in sent.items():
+        want = next(iter(held[name].values()), dtype) if name in held else dtype
+        if want != dtype and want in MERGE_DTYPES and dtype in MERGE_DTYPES:
+            cast[name] = want
+    counts: dict[tuple[str, str], int] = defaultdict(int)
+    for name, want in cast.items():
+        counts[(sent[name], want)] += 1
+    retyped = [[replace(m, dtype=cast[m.name]) if m.name in cast else m for m in ranks] for ranks in owned]
+    return retyped, dict(counts)
 
 
 def build_sync_plan(owned: Sequence[Sequence[ParamMeta]], *, bucket_bytes: int) -> SyncPlan:

@@ -38,6 +38,14 @@ def parse_staging_size(text: str) -> int:
     return size
 
 
+def parse_block(text: str) -> tuple[int, int]:
+    """``"128,128"`` → ``(128, 128)``: the FP8 block, two positive integers."""
+    parts = text.split(",")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"block size {text!r} not understood; give two positive integers, e.g. 128,128")
+    return int(parts[0]), int(parts[1])
+
+
 def max_threads() -> int:
     """Most ``--threads``: the CPUs this process may run on (its affinity; ``os.cpu_count()`` where the
     platform has none). More threads than CPUs only contend, and OpenMP crashes on ~10^5 threads."""
@@ -51,12 +59,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                          ".safetensors), or a DCP directory of the PEFT model (docs/merge.md)")
     parser.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
     parser.add_argument("--target", default="hf", choices=sorted(TARGETS), help="output naming (default: hf, as save_pretrained)")
-    parser.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"], help="output dtype (default: the base's)")
+    parser.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"], help="output dtype (default: the base's; with --quantize, of the tensors left unquantized: bfloat16)")
     parser.add_argument("--max-shard-size", default="5GB", type=parse_size, help="largest shard, e.g. 2GB, 500MB (default 5GB)")
     parser.add_argument("--staging-size", default="64MiB", type=parse_staging_size, help="fp32 merge scratch budget, at least 4KiB (default 64MiB)")
     parser.add_argument("--threads", default=1, type=int,
                         help="torch intra-op threads, at most the CPUs this process may run on (default 1: the merge is memory-bound in cache-sized steps; "
                              "more threads gain little and slow down badly on a busy machine)")
+    parser.add_argument("--accumulate-dtype", choices=("float32", "float64"), default="float32",
+                        help="merge scratch dtype (float64: bitwise PEFT's float64 merge cast once, and with --quantize fp8 "
+                             "bitwise transformers' FP8 of it; twice the scratch)")
+    parser.add_argument("--quantize", default=None, metavar="fp8",
+                        help="write block FP8 as transformers' FineGrainedFP8Config does (docs/merge.md); mxfp4 is refused")
+    parser.add_argument("--weight-block-size", default=None, type=parse_block, help="FP8 block, rows,cols (default 128,128)")
+    parser.add_argument("--scale-fmt", default=None, choices=("float", "ue8m0"), help="FP8 scales: float32 (default) or ue8m0")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
 
 
@@ -66,18 +81,23 @@ def run(args: argparse.Namespace) -> int:
     from sync_service.merge.dcp import resolve_inputs
     from sync_service.entrypoints.workdir import run_root
     from sync_service.merge.export import merge_checkpoint
+    from sync_service.merge.export_fp8 import Fp8Options
 
     if not 1 <= args.threads <= max_threads():
         print(f"weightsync merge: error: --threads must be in [1, {max_threads()}] (the CPUs this process may run on), "
               f"got {args.threads}; give at most {max_threads()}", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
+    fp8 = None
+    if args.weight_block_size is not None or args.scale_fmt is not None:
+        fp8 = Fp8Options(weight_block_size=args.weight_block_size or (128, 128), scale_fmt=args.scale_fmt or "float")
     try:
         with tempfile.TemporaryDirectory(prefix="wsync-dcp", dir=run_root()) as tmp:
             base, adapter = resolve_inputs(Path(args.base), Path(args.adapter), Path(tmp))
             summary = merge_checkpoint(
                 base, adapter, args.out, target=args.target, dtype=args.dtype,
                 max_shard_bytes=args.max_shard_size, staging_bytes=args.staging_size,
+                accumulate_dtype=args.accumulate_dtype, quantize=args.quantize, fp8=fp8,
                 progress=False if args.no_progress else None,
             )
     except MergeError as exc:

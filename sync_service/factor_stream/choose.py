@@ -8,8 +8,8 @@ Costs per weight version of one LoRA-targeted tensor T (bytes):
 
 ``auto`` takes the eligible tensors with the largest saving per resident byte first while the saving
 is at least ``min_saving``× and the resident bytes fit ``factor_memory_bytes``. Not eligible (always
-merged): modules_to_save replacements, DoRA (not additive), a merged dtype other than the base
-dtype, tensors without LoRA terms.
+merged): modules_to_save replacements, DoRA (not additive), trainable token rows (replaced, not
+added), a merged dtype other than the base dtype, tensors without LoRA terms.
 """
 
 from __future__ import annotations

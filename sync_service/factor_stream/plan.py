@@ -40,6 +40,7 @@ def target_costs(adapter: LoraAdapter, base_metas: Sequence[ParamMeta], out_dtyp
         merged = box_numel(meta.covered_box()) * DTYPE_BYTES[out]
         why = ("modules_to_save replacement" if name in adapter.replacements else
                "DoRA is not additive" if name in adapter.dora_magnitudes else
+               "trainable_token_indices rows are replaced, not added" if name in adapter.row_overrides else
                f"merged dtype {out} != base dtype {meta.dtype}" if out != meta.dtype else
                "no LoRA terms" if not adapter.terms.get(name) else "")
         costs.append(TargetCost(name=name, merged_bytes=merged, factor_bytes=term_factor_bytes(adapter.terms.get(name, [])),

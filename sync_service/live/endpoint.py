@@ -22,14 +22,14 @@ from protocols.params import ParamMeta
 from protocols.wire import SyncPlan
 from protocols.wire_check import decode
 
-__all__ = ["SyncState", "TrainerEndpoint"]
+__all__ = ["SyncState", "TrainerEndpoint", "plan_dtypes"]
 
 
 class SyncState(Protocol):
     """What an endpoint needs of a rank's state (``sync_service.live.state.LiveState``)."""
 
     merge: object
-    """The ``MergeConfig`` its sources use (``check_finite``, ``accumulate_dtype`` are set per send)."""
+    """The ``MergeConfig`` its sources use (``check_finite``, ``accumulate_dtype``, ``out_dtypes`` are set per send)."""
 
     def owned(self) -> list[ParamMeta]: ...
 
@@ -38,6 +38,12 @@ class SyncState(Protocol):
     def drop_snapshot(self, version: int) -> None: ...
 
     def source(self, version: int): ...
+
+
+def plan_dtypes(plan: SyncPlan) -> dict[str, str]:
+    """Tensor name → the wire dtype ``plan`` sends it in (the engines' dtype, ``coordinator.planning.engine_dtypes``);
+    recipe entries (factor streaming) are left out."""
+    return {e.name: e.dtype for e in plan.entries if e.recipe is None}
 
 
 class _TimedSource:
@@ -154,6 +160,7 @@ class TrainerEndpoint:
         try:
             self.state.merge.check_finite = request.check_finite
             self.state.merge.accumulate_dtype = request.accumulate_dtype
+            self.state.merge.out_dtypes = plan_dtypes(plan)  # the engines' dtype of every tensor (cast once)
             source = _TimedSource(self._source_for(version, plan))
         except BaseException:
             self.state.drop_snapshot(version)

@@ -38,10 +38,14 @@ def structural_adapter(peft_config, shapes: Mapping[str, tuple[tuple[int, ...], 
     """The adapter of zero factors of the full sizes of ``shapes`` (PEFT key → (held shape, dtype)).
 
     Raises:
-        MergeError: the adapter does not fit the base (as ``adapter_from_state_dict``).
+        MergeError: no adapter tensors, or the adapter does not fit the base (as ``adapter_from_state_dict``).
     """
     if peft_config is None:
         return LoraAdapter()
+    if not shapes:
+        raise MergeError("the adapter holds no tensors on this rank (no lora_A/lora_B, trained copy or token "
+                         "rows), so there is nothing to merge; attach the model without its adapter config "
+                         "(full fine-tuning) or check that get_peft_model targeted its modules")
     num_experts = num_experts_of(base)
     full = {k: torch.zeros(_full_shape(k, shape, spec), dtype=dtype) for k, (shape, dtype) in shapes.items()}
     full.update(_peer_expert_keys(full, num_experts))

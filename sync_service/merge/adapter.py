@@ -12,15 +12,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from protocols.params import ParamMeta
+from sync_service.merge.adapter_contract import check_config, check_config_keys
 from sync_service.merge.adapter_keys import normalise
 from sync_service.merge.errors import MergeError
 from sync_service.merge.inputs import check_adapter_config, read_json_object, read_safetensors
 from sync_service.merge.layouts import FamilyLayout
 from sync_service.merge.terms import LoraAdapter
+from sync_service.merge.vocab import check_vocabulary
 
 
 def adapter_from_state_dict(
@@ -38,10 +41,16 @@ def adapter_from_state_dict(
     out per expert (a copy). Call ``snapshot()`` to detach from a live trainer.
 
     Raises:
-        MergeError: non-LoRA adapter type, lora_bias, a key matching no base tensor, a shape or
-            rank mismatch, DoRA where PEFT has no DoRA (3D experts, embeddings).
+        MergeError: non-LoRA adapter type, a config field the contract refuses
+            (``adapter_contract.check_config``: lora_bias, aLoRA, layer_replication, a base-shifting
+            init without conversion, ...), a key matching no base tensor, a shape or rank mismatch, a
+            DoRA magnitude without use_dora, DoRA where PEFT has no DoRA (3D experts, embeddings), a
+            vocabulary resized before training (``vocab.check_vocabulary``; ``weightsync merge`` passes
+            ``base_metas`` already resized, ``vocab.plan_resize``).
     """
-    return normalise(peft_config, state_dict, layout, base_metas, dict(tied_aliases or {}))
+    tied = dict(tied_aliases or {})
+    check_vocabulary({k: tuple(t.shape) for k, t in state_dict.items()}, base_metas, layout, tied)
+    return normalise(peft_config, state_dict, layout, base_metas, tied)
 
 
 def load_adapter(
@@ -55,7 +64,8 @@ def load_adapter(
 
     Raises:
         MergeError: missing files, a pickled ``adapter_model.bin`` (never unpickled: convert it to
-            safetensors), a corrupt file, a bad adapter_config field value, or anything ``adapter_from_state_dict`` rejects.
+            safetensors), a corrupt or empty file, a key that is no field of PEFT's LoraConfig, a bad
+            adapter_config field value, or anything ``adapter_from_state_dict`` rejects.
     """
     from peft import PeftConfig
     from safetensors.torch import load_file
@@ -71,13 +81,23 @@ def load_adapter(
             f"{config_path}: peft_type {peft_type!r} is not a LoRA adapter; only LoRA (incl. rsLoRA, DoRA) "
             f"adapters merge additively — merge it with PEFT's merge_and_unload instead"
         )
+    check_config_keys(config_path, raw_config)
     check_adapter_config(config_path, raw_config)
-    peft_config = PeftConfig.from_pretrained(str(adapter_dir))
+    try:
+        check_config(SimpleNamespace(**raw_config))  # before PEFT parses it: loftq etc. fail there otherwise
+        peft_config = PeftConfig.from_pretrained(str(adapter_dir))
+    except MergeError as exc:
+        raise MergeError(f"{config_path}: {exc}") from None
+    except (ValueError, TypeError, ImportError) as exc:
+        raise MergeError(f"{config_path}: PEFT cannot read it ({exc}); fix the adapter_config") from None
     weights = adapter_dir / "adapter_model.safetensors"
     if not weights.is_file():
         hint = " (adapter_model.bin is pickled and is never loaded here)" if (adapter_dir / "adapter_model.bin").exists() else ""
         raise MergeError(f"{adapter_dir}: no adapter_model.safetensors{hint}; save the adapter with safe_serialization=True")
     state_dict = read_safetensors(weights, load_file)
+    if not state_dict:
+        raise MergeError(f"{weights}: holds no tensors, so there is nothing to merge; save the trained adapter "
+                         f"again (PeftModel.save_pretrained) or sync without --adapter")
     try:
         return adapter_from_state_dict(peft_config, state_dict, layout, base_metas, tied_aliases=tied_aliases)
     except MergeError as exc:

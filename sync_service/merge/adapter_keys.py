@@ -28,14 +28,16 @@ from collections import defaultdict
 import torch
 
 from protocols.params import FLOAT_DTYPES, ParamMeta
+from sync_service.merge.adapter_contract import check_config
 from sync_service.merge.errors import MergeError
 from sync_service.merge.finite import all_finite
 from sync_service.merge.layouts import FamilyLayout
 from sync_service.merge.targets import target_pieces
-from sync_service.merge.terms import LoraAdapter, LoraTerm, sel_len
+from sync_service.merge.terms import LoraAdapter, LoraTerm, RowOverride, sel_len
 
 _PREFIX = "base_model.model."
 _LORA_PARTS = ("lora_A.weight", "lora_B.weight", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
+_TOKENS_DELTA = ".token_adapter.trainable_tokens_delta"  # PEFT TrainableTokensWrapper's saved rows
 _NON_LORA = ("hada_", "lokr_", "ia3_", "oft_", "boft_", "vera_", "fourierft_", "lora_E", "ranknum")
 
 
@@ -53,11 +55,24 @@ def _scaling(config, key: str) -> tuple[int, float]:
     return r, (alpha / math.sqrt(r) if config.use_rslora else alpha / r)
 
 
+def _wrapper_copy(name: str, names: set[str]) -> bool:
+    """``<m>.modules_to_save.weight`` / ``<m>.original_module.weight`` next to ``<m>.weight``: what
+    ``save_pretrained`` adds for a modules_to_save embedding with ``save_embedding_layers`` (set by
+    itself when the vocabulary was resized). PEFT loads the first into the same trained copy as
+    ``<m>.weight``, which it loads after it (keys in file order), and the second into the wrapped
+    base module that ``merge_and_unload`` discards; so ``<m>.weight`` alone decides the merge."""
+    m = re.fullmatch(r"(.+)\.(modules_to_save|original_module)\.weight", name)
+    return m is not None and f"{m.group(1)}.weight" in names
+
+
 def _group(state_dict) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
     modules: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
     plain: dict[str, torch.Tensor] = {}
+    names = {key.removeprefix(_PREFIX) for key in state_dict}
     for key, t in state_dict.items():
         name = key.removeprefix(_PREFIX)
+        if _wrapper_copy(name, names):
+            continue
         if re.search(r"\.lora_B\.bias$", name):
             raise MergeError(f"adapter key {key}: lora_bias=True adapters are not supported; retrain with lora_bias=False")
         bad = next((p for p in _NON_LORA if f".{p}" in name), None)
@@ -113,8 +128,7 @@ def _derive(copy: torch.Tensor, source: torch.Tensor, derived: list) -> torch.Te
 def normalise(config, state_dict, layout: FamilyLayout, base_metas, tied: dict[str, str]) -> LoraAdapter:
     if getattr(config, "peft_type", None) is not None and str(getattr(config.peft_type, "value", config.peft_type)) != "LORA":
         raise MergeError(f"adapter peft_type {config.peft_type} is not LoRA; only LoRA adapters merge here")
-    if getattr(config, "lora_bias", False):
-        raise MergeError("adapter_config lora_bias=True is not supported; retrain with lora_bias=False")
+    check_config(config)  # every LoraConfig field merged exactly or refused (adapter_contract.FIELDS)
     metas = {m.name: m for m in base_metas}
     modules, plain = _group(state_dict)
     out = LoraAdapter()
@@ -125,7 +139,22 @@ def normalise(config, state_dict, layout: FamilyLayout, base_metas, tied: dict[s
         ctx.check_targets_exist()
     for name, t in plain.items():
         ctx.replacement(name, t)
+    ctx.check_weight_tying()
     return out
+
+
+def _token_indices(config, module: str) -> list[int]:
+    """The ``trainable_token_indices`` of ``module``: a list names the input embedding; a dict maps a
+    layer name to its ids, matched as PEFT's ``_set_trainable`` does (``module.endswith(layer)``)."""
+    spec = getattr(config, "trainable_token_indices", None)
+    if isinstance(spec, dict):
+        matches = [ids for layer, ids in spec.items() if module.endswith(layer)]
+        spec = matches[0] if len(matches) == 1 else None
+    if not isinstance(spec, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in spec):
+        raise MergeError(f"adapter module {module}: holds trainable_tokens_delta but adapter_config "
+                         f"trainable_token_indices {getattr(config, 'trainable_token_indices', None)!r} gives no list "
+                         f"of token ids for it; save the adapter_config with the indices it was trained with")
+    return list(spec)
 
 
 class _Ctx:
@@ -231,6 +260,10 @@ class _Ctx:
         if getattr(self.config, "use_dora", False) and "lora_magnitude_vector" not in parts:
             raise MergeError(f"adapter module {module}: adapter_config use_dora=true but no lora_magnitude_vector; "
                              f"re-save the adapter from PEFT or set use_dora=false")
+        if "lora_magnitude_vector" in parts and not getattr(self.config, "use_dora", False):
+            raise MergeError(f"adapter module {module}: holds a DoRA lora_magnitude_vector but adapter_config "
+                             f"use_dora=false, so PEFT would not apply it; set use_dora=true if the adapter was "
+                             f"trained with DoRA, else re-save it without the magnitude")
         if "lora_magnitude_vector" in parts:
             m = _acc(parts["lora_magnitude_vector"], self.out.derived).reshape(-1)
             if not all_finite(m):
@@ -238,6 +271,17 @@ class _Ctx:
             if m.numel() != meta.shape[0]:
                 raise MergeError(f"adapter module {module}: DoRA magnitude {list(m.shape)} does not fit {target} {list(meta.shape)}")
             self.out.dora_magnitudes[target] = m
+
+    def check_weight_tying(self) -> None:
+        """``ensure_weight_tying=true`` keeps PEFT's copies of tied tensors tied; weightsync unties a pair
+        whose one side carries a trained copy or LoRA (as PEFT does without the flag), so refuse it there."""
+        if not getattr(self.config, "ensure_weight_tying", False) or not self.tied:
+            return
+        tied = set(self.tied) | set(self.tied.values())
+        touched = sorted(tied & (set(self.out.replacements) | set(self.out.terms)))
+        if touched:
+            raise MergeError(f"adapter_config ensure_weight_tying=true on tied tensor {touched[0]}: keeping the "
+                             f"trained copy tied is not merged here; save the adapter with ensure_weight_tying=false")
 
     def _experts_meta(self, module: str, name: str) -> ParamMeta:
         target = self.resolve(name)
@@ -306,6 +350,8 @@ class _Ctx:
         self.add(meta.name, term)
 
     def replacement(self, name: str, t: torch.Tensor) -> None:
+        if name.endswith(_TOKENS_DELTA):
+            return self.trainable_tokens(name.removesuffix(_TOKENS_DELTA), t)
         # PEFT saves targeted embedding layers as <module>.base_layer.weight and loads them as the base
         plain = self.layout.from_disk(name.replace(".base_layer.", "."))
         if not name.endswith(".base_layer.weight") and self.untie(plain, t):
@@ -318,7 +364,52 @@ class _Ctx:
             )
         if tuple(t.shape) != self.metas[target].shape:
             raise MergeError(f"adapter key {name}: shape {list(t.shape)} != base {target} {list(self.metas[target].shape)}")
+        self.refuse_rows_and_copy(target)
         self.out.replacements[target] = t
+
+    def trainable_tokens(self, module: str, t: torch.Tensor) -> None:
+        """``<module>.token_adapter.trainable_tokens_delta`` [n, H]: PEFT trainable tokens
+        (``trainable_token_indices``), merged as ``W.index_copy(0, indices, delta)`` — the saved rows
+        replace the base's (``peft/tuners/trainable_tokens/layer.py`` ``merge``). On a tied pair either
+        name writes the one shared tensor, as PEFT's merge does."""
+        target = self.resolve(module + ".weight")
+        if target is None:
+            raise MergeError(f"adapter key {module}{_TOKENS_DELTA}: trainable_token_indices rows for {module}, which "
+                             f"has no base tensor {module}.weight; the adapter was trained on a different model")
+        meta = self.metas[target]
+        _check_float_base(module, meta)
+        indices = _token_indices(self.config, module)
+        key = f"{module}{_TOKENS_DELTA}"
+        if not t.is_floating_point() or t.dim() != 2 or tuple(t.shape) != (len(indices), meta.shape[-1]) or len(meta.shape) != 2:
+            raise MergeError(f"adapter key {key}: {str(t.dtype).removeprefix('torch.')}{list(t.shape)} does not fit "
+                             f"{len(indices)} trainable_token_indices rows of {target} {list(meta.shape)}; the "
+                             f"adapter_config does not describe these weights")
+        bad = [i for i in indices if not 0 <= i < meta.shape[0]]
+        if bad or len(set(indices)) != len(indices):
+            raise MergeError(f"adapter_config trainable_token_indices for {module}: "
+                             + (f"ids {bad[:4]} outside [0, {meta.shape[0]})" if bad else "repeated ids")
+                             + f" of {target} {list(meta.shape)}; fix trainable_token_indices")
+        if not all_finite(t):
+            raise MergeError(f"adapter key {key}: holds NaN or Inf values; the adapter is corrupt or training diverged")
+        if target in self.out.terms or target in self.out.dora_magnitudes:
+            raise MergeError(f"adapter module {module}: LoRA and trainable_token_indices on the same tensor {target} "
+                             f"are not merged here; train the tokens on a module without LoRA, or merge with PEFT")
+        self.refuse_rows_and_copy(target, rows=True)
+        held = self.out.row_overrides.setdefault(target, [])
+        taken = set().union(*(o.indices.tolist() for o in held)) & set(indices)
+        if taken:
+            raise MergeError(f"adapter module {module}: trainable_token_indices rows {sorted(taken)[:4]} of {target} are "
+                             f"trained twice (tied names); PEFT only merges disjoint token ids — fix trainable_token_indices")
+        held.append(RowOverride(torch.tensor(indices, dtype=torch.int64), t))
+
+    def refuse_rows_and_copy(self, target: str, *, rows: bool = False) -> None:
+        """Refuse trainable tokens and a trained copy (modules_to_save) on one tensor or tied pair: PEFT
+        itself refuses both on one module, and a copy unties a pair whose rows were trained together."""
+        pair = {target} | {a for a, k in self.tied.items() if k == target} | {self.tied.get(target, target)}
+        copied = pair & (set(self.out.replacements) | set(self.out.untied))
+        if (copied if rows else pair & set(self.out.row_overrides)):
+            raise MergeError(f"adapter: {target} has both trainable_token_indices rows and a trained copy "
+                             f"(modules_to_save / saved embedding); PEFT refuses that too — keep one of them")
 
     def untie(self, name: str, t: torch.Tensor) -> bool:
         """A modules_to_save copy of either tensor of a tied pair: PEFT wraps only that module, so
@@ -331,6 +422,7 @@ class _Ctx:
         kept = self.tied[alias]
         if tuple(t.shape) != self.metas[kept].shape:
             raise MergeError(f"adapter key {name}: shape {list(t.shape)} != base {kept} {list(self.metas[kept].shape)}")
+        self.refuse_rows_and_copy(kept)
         self.out.replacements[name] = t
         self.out.untied[alias] = kept
         return True

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -23,14 +24,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from protocols.params import DTYPE_BYTES, MERGE_DTYPES
-from sync_service.dtypes import wire_dtype
+from protocols.params import MERGE_DTYPES
+from sync_service.dtypes import TORCH_DTYPES
 from sync_service.merge.adapter import load_adapter
 from sync_service.merge.base import SafetensorsBase
 from sync_service.merge.errors import MergeError
-from sync_service.merge.inputs import read_json_object
+from sync_service.merge.export_fp8 import Fp8Options, Fp8Writer, check_quantize, quantized_names, write_quantization_config
+from sync_service.merge.inputs import read_json_object, read_safetensors
 from sync_service.merge.source import MergeConfig, MergedSource
 from sync_service.merge.targets import TARGETS, Piece, target_pieces
+from sync_service.merge.vocab import ResizedBase, plan_resize
 
 COPIED_FILES = (  # non-weight files of a model directory, copied to the output when present
     "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -58,13 +61,26 @@ def _check_out_parent(out_dir: Path) -> None:
         raise MergeError(f"--out {out_dir}: {parent} is not writable; choose an --out under a writable directory")
 
 
-def _plan_shards(source: MergedSource, target: str, max_shard_bytes: int) -> list[list[tuple[str, Piece]]]:
+class _PlainWriter:
+    """One output tensor per target piece, in the source's out dtype (``Fp8Writer``: a quantized merge)."""
+
+    def __init__(self, source: MergedSource):
+        self.source = source
+
+    def outputs(self, name: str, piece: Piece) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        return [(piece.name, self.source.out_dtype(name), piece.shape)]
+
+    def fill(self, name: str, piece: Piece, views: list[torch.Tensor]) -> None:
+        self.source.fill(name, piece.box, piece.from_target(views[0]))
+
+
+def _plan_shards(source: MergedSource, writer, target: str, max_shard_bytes: int) -> list[list[tuple[str, Piece]]]:
     """``(hf-fused name, target piece)`` grouped into shards, in layer order (greedy, like ``save_pretrained``)."""
     shards: list[list[tuple[str, Piece]]] = [[]]
     size = 0
     for meta in source.param_metas():
         for piece in target_pieces(target, meta.name, meta.shape, source.layout):
-            nbytes = _nbytes(source, meta.name, piece)
+            nbytes = sum(_nbytes(out) for out in writer.outputs(meta.name, piece))
             if shards[-1] and size + nbytes > max_shard_bytes:
                 shards.append([])
                 size = 0
@@ -73,21 +89,46 @@ def _plan_shards(source: MergedSource, target: str, max_shard_bytes: int) -> lis
     return shards
 
 
-def _nbytes(source: MergedSource, name: str, piece: Piece) -> int:
-    nbytes = DTYPE_BYTES[wire_dtype(source.out_dtype(name))]
-    for n in piece.shape:
-        nbytes *= n
-    return nbytes
+def _nbytes(output: tuple[str, torch.dtype, tuple[int, ...]]) -> int:
+    _, dtype, shape = output
+    return math.prod(shape) * dtype.itemsize
 
 
 def _padded(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
-def _write_config(base_dir: Path, out: Path, dtype: str | None, untied: bool) -> None:
-    """The base's config.json with ``dtype`` set, and ``tie_word_embeddings`` false when the adapter
-    untied the embeddings (where the base config has the flag: top level or ``text_config``)."""
+def _resized(base: SafetensorsBase, adapter_dir: Path):
+    """``base``, or a ``ResizedBase`` with the adapter's vocabulary shapes when the adapter was trained
+    on a resized vocabulary (``vocab.plan_resize``: PEFT's resize_token_embeddings before loading)."""
+    from safetensors import safe_open
+
+    weights = adapter_dir / "adapter_model.safetensors"
+    if not weights.is_file():
+        return base  # load_adapter says what is missing
+
+    def shapes(path: str) -> dict[str, tuple[int, ...]]:
+        with safe_open(path, "pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+
+    resize = plan_resize(read_safetensors(weights, shapes), base.metas(), base.layout, base.tied_aliases)
+    return ResizedBase(base, resize) if resize else base
+
+
+def _vocab_size(base) -> int | None:
+    """V' of a ``ResizedBase`` (written to config.json), else ``None``."""
+    return next((shape[0] for shape in base.shapes.values()), None) if isinstance(base, ResizedBase) else None
+
+
+def _write_config(base_dir: Path, out: Path, dtype: str | None, untied: bool, vocab_size: int | None = None) -> None:
+    """The base's config.json with ``dtype`` set, ``tie_word_embeddings`` false when the adapter
+    untied the embeddings (where the base config has the flag: top level or ``text_config``), and
+    ``vocab_size`` set where the config has it when the adapter resized the vocabulary."""
     config = read_json_object(base_dir / "config.json")
+    if vocab_size is not None:
+        for cfg in (config, config.get("text_config")):
+            if isinstance(cfg, dict) and "vocab_size" in cfg:
+                cfg["vocab_size"] = vocab_size
     if dtype is not None:
         for key in ("dtype", "torch_dtype"):
             if key in config or key == "dtype":
@@ -134,21 +175,30 @@ def merge_checkpoint(
     max_shard_bytes: int = 5 * 10**9,
     progress: bool | None = None,
     staging_bytes: int = 64 << 20,
+    accumulate_dtype: str = "float32",
+    quantize: str | None = None,
+    fp8: Fp8Options | None = None,
 ) -> dict:
     """Merge a PEFT LoRA adapter into a safetensors checkpoint and write the result.
 
     Output: ``model.safetensors`` or ``model-0000k-of-0000n.safetensors`` + ``model.safetensors.index.json``,
-    ``config.json`` (``dtype`` updated when ``dtype`` is given) and the tokenizer/generation files found.
+    ``config.json`` (``dtype`` updated when ``dtype`` is given; ``vocab_size`` when the adapter was trained
+    on a resized vocabulary, whose embeddings it holds: ``vocab.py``) and the tokenizer/generation files found.
 
     Args:
-        dtype: output dtype name (``"bfloat16"``, ``"float16"``, ``"float32"``); ``None`` keeps the base's.
+        dtype: output dtype name (``"bfloat16"``, ``"float16"``, ``"float32"``); ``None`` keeps the base's
+            (with ``quantize``: ``"bfloat16"``, the dtype of the tensors left unquantized, as FP8 checkpoints ship).
+        accumulate_dtype: ``MergeConfig.accumulate_dtype`` (``"float64"``: bitwise PEFT's float64 merge, cast once).
+        quantize: ``"fp8"`` writes block FP8 as transformers does (``export_fp8.py``); ``None`` does not quantize.
+        fp8: block size and scale format for ``quantize="fp8"`` (default ``Fp8Options()``: 128x128, float32 scales).
         max_shard_bytes: largest shard, bytes (a single larger tensor gets a shard of its own).
         progress: tqdm bar; ``None`` shows it when stderr is a terminal.
 
     Returns:
         ``{"tensors": n, "bytes": total, "shards": k, "seconds": t, "setup_seconds": t0, "changed": c}``:
         ``tensors`` and ``changed`` count tensors as written to disk (``changed``: those the adapter
-        alters, e.g. every per-expert key of a fused expert tensor with LoRA); ``seconds`` is the whole
+        alters, e.g. every per-expert key of a fused expert tensor with LoRA; ``tensors`` counts FP8 scales
+        too, and a quantized merge adds ``"quantized"``: the FP8 weights written); ``seconds`` is the whole
         call, ``setup_seconds`` its validation and adapter loading (which imports PEFT, seconds on a
         cold start) before the first shard is merged.
 
@@ -159,20 +209,28 @@ def merge_checkpoint(
     t0 = time.perf_counter()
     base_dir, adapter_dir, out_dir = Path(base_dir), Path(adapter_dir), Path(out_dir)
     _check_arguments(target, dtype, max_shard_bytes, staging_bytes, out_dir)
-    base = SafetensorsBase(base_dir)
+    check_quantize(quantize, fp8)
+    fp8 = (fp8 or Fp8Options()) if quantize else None
+    dtype = dtype or ("bfloat16" if quantize else None)
+    base = _resized(SafetensorsBase(base_dir), adapter_dir)
     adapter = load_adapter(adapter_dir, base.layout, base.metas(), tied_aliases=base.tied_aliases)
-    config = MergeConfig(out_dtype=dtype, staging_bytes=staging_bytes, check_finite=True)
+    quantized = quantized_names(base.config, fp8) if fp8 else frozenset()
+    config = MergeConfig(out_dtype=dtype, staging_bytes=staging_bytes, check_finite=True, accumulate_dtype=accumulate_dtype,
+                         out_dtypes={name: accumulate_dtype for name in quantized})
     source = MergedSource(base, adapter, config=config)
-    shards = _plan_shards(source, target, max_shard_bytes)
+    writer = Fp8Writer(source, fp8, quantized, TORCH_DTYPES[dtype]) if fp8 else _PlainWriter(source)
+    shards = _plan_shards(source, writer, target, max_shard_bytes)
     setup_s = time.perf_counter() - t0
-    total = _write_output(source, target, shards, base_dir, out_dir, dtype, progress)
+    total = _write_output(source, writer, target, shards, base_dir, out_dir, dtype, progress, fp8)
     pieces = [(name, piece) for shard in shards for name, piece in shard]
-    return {"tensors": len(pieces), "bytes": total, "shards": len(shards), "seconds": time.perf_counter() - t0,
-            "setup_seconds": setup_s, "changed": sum(source.touches(name, piece.box) for name, piece in pieces)}
+    summary = {"tensors": sum(len(writer.outputs(n, p)) for n, p in pieces), "bytes": total, "shards": len(shards),
+               "seconds": time.perf_counter() - t0, "setup_seconds": setup_s,
+               "changed": sum(source.touches(name, piece.box) for name, piece in pieces)}
+    return summary | ({"quantized": writer.quantized_pieces} if fp8 else {})
 
 
-def _write_output(source: MergedSource, target: str, shards: list[list[tuple[str, Piece]]], base_dir: Path,
-                  out_dir: Path, dtype: str | None, progress: bool | None) -> int:
+def _write_output(source: MergedSource, writer, target: str, shards: list[list[tuple[str, Piece]]], base_dir: Path,
+                  out_dir: Path, dtype: str | None, progress: bool | None, fp8: Fp8Options | None = None) -> int:
     """Write shards + config into a temporary sibling of ``out_dir``, then rename it to ``out_dir``
     (``_publish``). On any failure the temporary directory and the parents this call created (while
     still empty) are removed; ``out_dir`` is left as it was. Returns bytes."""
@@ -180,8 +238,10 @@ def _write_output(source: MergedSource, target: str, shards: list[list[tuple[str
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        total = _write_shards(source, target, shards, tmp, progress)
-        _write_config(base_dir, tmp, dtype, bool(source.adapter.untied))
+        total = _write_shards(writer, shards, tmp, progress)
+        _write_config(base_dir, tmp, dtype, bool(source.adapter.untied), _vocab_size(source.base))
+        if fp8 is not None:
+            write_quantization_config(tmp / "config.json", fp8)
         umask = os.umask(0)
         os.umask(umask)
         tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700; the output is an ordinary directory
@@ -215,8 +275,10 @@ def _publish(tmp: Path, out_dir: Path) -> None:
                          f"same --out?); it is left as it is; choose another --out or remove it and merge again") from None
 
 
-def _write_shards(source: MergedSource, target: str, shards: list[list[tuple[str, Piece]]], out: Path, progress) -> int:
-    buffer = torch.empty(max(sum(_padded(_nbytes(source, n, p)) for n, p in shard) for shard in shards), dtype=torch.uint8)
+def _write_shards(writer, shards: list[list[tuple[str, Piece]]], out: Path, progress) -> int:
+    """Each shard's tensors merged (``writer.fill``) into views of one reused buffer, then saved. Returns bytes."""
+    buffer = torch.empty(max(sum(_padded(_nbytes(o)) for n, p in shard for o in writer.outputs(n, p))
+                             for shard in shards), dtype=torch.uint8)
     weight_map: dict[str, str] = {}
     total = 0
     with _progress(sum(len(s) for s in shards), progress) as bar:
@@ -224,13 +286,15 @@ def _write_shards(source: MergedSource, target: str, shards: list[list[tuple[str
             file = "model.safetensors" if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
             tensors, offset = {}, 0
             for name, piece in shard:
-                nbytes = _nbytes(source, name, piece)
-                view = buffer[offset:offset + nbytes].view(source.out_dtype(name)).view(piece.shape)
-                source.fill(name, piece.box, piece.from_target(view))
-                tensors[piece.name] = view
-                weight_map[piece.name] = file
-                offset += _padded(nbytes)
-                total += nbytes
+                views = []
+                for key, dtype, shape in writer.outputs(name, piece):
+                    nbytes = _nbytes((key, dtype, shape))
+                    views.append(buffer[offset:offset + nbytes].view(dtype).view(shape))
+                    tensors[key] = views[-1]
+                    weight_map[key] = file
+                    offset += _padded(nbytes)
+                    total += nbytes
+                writer.fill(name, piece, views)
                 bar.update(1)
             save_file(tensors, str(out / file), metadata={"format": "pt"})
     if len(shards) > 1:

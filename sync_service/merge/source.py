@@ -1,14 +1,15 @@
 """``MergedSource``: the merged weights as a ``WeightSource`` in hf-fused naming.
 
 Out of place: the base is only read. Per box: base values → fp32 scratch (reused, budgeted) →
-+ Σ s·x@y (fused ``addmm_``/``baddbmm_``) → DoRA rescale if any → one cast into ``out``.
++ Σ s·x@y (fused ``addmm_``/``baddbmm_``) → DoRA rescale if any → one cast into ``out`` → trainable
+token rows (``RowOverride``) written over their rows of the box, cast once from the adapter's values.
 Tensors the adapter does not touch are copied straight from the base (one cast, no scratch).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -20,7 +21,7 @@ from sync_service.merge.finite import all_finite
 from sync_service.merge.layouts import FamilyLayout
 from sync_service.merge.staging import Scratch, apply_parts, apply_terms, chunks, term_parts
 from sync_service.merge.targets import target_pieces
-from sync_service.merge.terms import LoraAdapter
+from sync_service.merge.terms import LoraAdapter, RowOverride
 
 
 @dataclass(kw_only=True, slots=True)
@@ -29,6 +30,10 @@ class MergeConfig:
 
     out_dtype: str | None = None
     """Wire dtype name of the merged tensors (``"bfloat16"``, ...); ``None`` keeps each base tensor's dtype."""
+    out_dtypes: Mapping[str, str] | None = None
+    """Tensor name → wire dtype it is written in, over the owned metas' dtype: the sync plan's, which carries the
+    engines' dtype (``coordinator.planning.engine_dtypes``; set per send by the trainer endpoint). The merge
+    still accumulates in ``accumulate_dtype`` and casts once, from the accumulator into ``out``."""
     staging_bytes: int = 64 << 20
     """Budget of the fp32 scratch, bytes; boxes larger than this are merged in chunks."""
     tile_bytes: int = 2 << 20
@@ -63,6 +68,16 @@ def check_untied_owned(adapter: LoraAdapter, owned: Sequence[ParamMeta]) -> None
                 f"trainers and engines loaded from the tied base hold one tensor for both; start them from "
                 f"an untied copy of the base (a separate {alias} = {kept}, tie_word_embeddings false)"
             )
+
+
+def _write_rows(override: RowOverride, box: Box, out: torch.Tensor) -> None:
+    """The override's rows inside ``box`` (a 2D box: rows, cols) written over ``out``, each value
+    cast once from the adapter's dtype to ``out``'s (PEFT: ``W.index_copy(0, indices, values)``)."""
+    (r0, r1), (c0, c1) = box
+    inside = (override.indices >= r0) & (override.indices < r1)
+    if bool(inside.any()):
+        values = override.values[inside.to(override.values.device)][:, c0:c1]
+        out[(override.indices[inside] - r0).to(out.device)] = values.to(out.device, out.dtype)
 
 
 def _inside(box: Box, outer: Box) -> bool:
@@ -110,6 +125,8 @@ class MergedSource:
             owned = [ParamMeta(m.name, config.out_dtype or m.dtype, m.shape) for m in self._base_metas.values()]
         else:
             check_untied_owned(self.adapter, owned)
+        if config.out_dtypes:  # the plan's dtypes (the engines'), cast once from the accumulator or the base
+            owned = [replace(m, dtype=config.out_dtypes.get(m.name, m.dtype)) for m in owned]
         self._owned = list(owned)
         self._boxes: dict[str, list[Box]] = {}
         self._dtypes: dict[str, str] = {}
@@ -159,6 +176,11 @@ class MergedSource:
             out.copy_(self._read_base(name, box))
             if self.config.check_finite and out.is_floating_point():
                 self._check(name, out)
+        overrides = adapter.row_overrides.get(name, ())
+        for override in overrides:
+            _write_rows(override, box, out)
+        if overrides:
+            self._check(name, out)
         return None
 
     def _fill_terms(self, name: str, box: Box, out: torch.Tensor, terms) -> None:
@@ -234,6 +256,9 @@ class MergedSource:
         """Whether the adapter changes any value of ``box`` of ``name`` (a term, DoRA or a replacement)."""
         adapter = self.adapter
         if name in adapter.replacements or name in adapter.dora_magnitudes:
+            return True
+        (r0, r1) = box[0]
+        if any(bool(((o.indices >= r0) & (o.indices < r1)).any()) for o in adapter.row_overrides.get(name, ())):
             return True
         return bool(term_parts(adapter.terms.get(name, ()), box))
 

@@ -45,6 +45,25 @@ class LoraTerm:
 
 
 @dataclass(slots=True)
+class RowOverride:
+    """Rows written over a 2D tensor's merged values: PEFT trainable tokens
+    (``trainable_token_indices``), merged by ``W.index_copy(0, indices, values)``
+    (``peft/tuners/trainable_tokens/layer.py`` ``merge``): a replacement of whole rows, not an addition.
+
+    Attributes:
+        indices: int64 [n], distinct row ids of the stored tensor.
+        values: [n, cols], the adapter's dtype (a view of the state dict normalised); cast once
+            to the output dtype when written.
+    """
+
+    indices: torch.Tensor
+    values: torch.Tensor
+
+    def clone(self) -> RowOverride:
+        return RowOverride(self.indices.clone(), self.values.clone())
+
+
+@dataclass(slots=True)
 class LoraAdapter:
     """A normalised adapter over hf-fused base names.
 
@@ -53,6 +72,8 @@ class LoraAdapter:
         dora_magnitudes: base name → DoRA magnitude m [out] (fp32): the merged tensor is
             ``m / ‖W + ΔW‖_row · (W + ΔW)`` (2D dense tensors only).
         replacements: base name → trained copy (modules_to_save); replaces the base tensor.
+        row_overrides: base name → rows written last, over the merged values (``RowOverride``;
+            trainable tokens, disjoint rows when several hit one tensor, e.g. a tied pair).
         untied: tied alias → the base tensor it shares (``{"lm_head.weight": "model.embed_tokens.weight"}``)
             when a modules_to_save copy replaces either of a tied pair: the merged model holds both
             as separate tensors, the replaced one the trained copy, the other the base values, and
@@ -66,6 +87,7 @@ class LoraAdapter:
     terms: dict[str, list[LoraTerm]] = field(default_factory=dict)
     dora_magnitudes: dict[str, torch.Tensor] = field(default_factory=dict)
     replacements: dict[str, torch.Tensor] = field(default_factory=dict)
+    row_overrides: dict[str, list[RowOverride]] = field(default_factory=dict)
     untied: dict[str, str] = field(default_factory=dict)
     derived: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
@@ -77,7 +99,8 @@ class LoraAdapter:
 
     def changed_names(self) -> frozenset[str]:
         """Base names whose merged values differ from the base."""
-        return frozenset(self.terms) | frozenset(self.dora_magnitudes) | frozenset(self.replacements)
+        return (frozenset(self.terms) | frozenset(self.dora_magnitudes) | frozenset(self.replacements)
+                | frozenset(self.row_overrides))
 
     def snapshot(self) -> LoraAdapter:
         """A deep copy of every tensor held, so the trainer may keep updating its factors."""
@@ -85,5 +108,6 @@ class LoraAdapter:
             terms={n: [t.clone() for t in ts] for n, ts in self.terms.items()},
             dora_magnitudes={n: m.clone() for n, m in self.dora_magnitudes.items()},
             replacements={n: r.clone() for n, r in self.replacements.items()},
+            row_overrides={n: [o.clone() for o in os] for n, os in self.row_overrides.items()},
             untied=dict(self.untied),
         )

@@ -17,7 +17,7 @@ Kinds (``ADAPTER_KINDS``):
 
 All LoRA factors are seeded random and non-zero (PEFT initialises ``lora_B`` to zero; it is
 overwritten), different per module and per expert, std ``init_scale``. DoRA magnitudes are scaled by
-``1 + init_scale·N``; ``modules_to_save`` copies get ``init_scale·N`` added.
+``1 + init_scale·N``; ``modules_to_save`` copies and trainable token rows get ``init_scale·N`` added.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def _randomize_adapter_(model: torch.nn.Module, *, seed: int, init_scale: float)
         noise = torch.randn(param.shape, generator=gen, dtype=torch.float32) * init_scale
         if "lora_magnitude_vector" in name:
             param.mul_(1.0 + noise.to(param.dtype))
-        elif "modules_to_save" in name or ".hada_" in name or "ia3_" in name:
+        elif "modules_to_save" in name or ".hada_" in name or "ia3_" in name or "trainable_tokens_delta" in name:
             param.add_(noise.to(param.dtype))
         elif any(part in name for part in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")):
             param.copy_(noise.to(param.dtype))
@@ -91,6 +91,8 @@ def make_adapter(
     target_modules: Sequence[str] | None = None,
     lora_bias: bool = False,
     save_embedding_layers: bool = False,
+    trainable_token_indices: list[int] | dict[str, list[int]] | None = None,
+    vocab_size: int | None = None,
     seed: int = 0,
     init_scale: float = 0.1,
 ) -> Path:
@@ -106,6 +108,11 @@ def make_adapter(
             dropped (PEFT has neither for parameter targets).
         save_embedding_layers: as PEFT's ``save_pretrained``; ``True`` also stores the (unchanged)
             ``lm_head`` / ``embed_tokens`` base weights when those are LoRA targets.
+        trainable_token_indices: as PEFT's ``LoraConfig`` (trainable token rows; saved rows get
+            ``init_scale·N`` added).
+        vocab_size: ``resize_token_embeddings(vocab_size)`` on the base before ``get_peft_model`` (a
+            vocabulary grown for new tokens; new rows from the model's own init, ``mean_resizing=False``).
+            Save the embeddings with ``save_embedding_layers`` or ``modules_to_save``.
         seed, init_scale: factors are ``init_scale·N(0, 1)`` from a generator seeded with ``seed``.
 
     Raises:
@@ -119,14 +126,19 @@ def make_adapter(
     config = _lora_config(spec, kind, base, target_modules, r=r, lora_alpha=lora_alpha, use_rslora=use_rslora,
                           rank_pattern=dict(rank_pattern or {}), alpha_pattern=dict(alpha_pattern or {}),
                           use_dora=use_dora, modules_to_save=list(modules_to_save) if modules_to_save else None,
-                          lora_bias=lora_bias)
+                          lora_bias=lora_bias, trainable_token_indices=trainable_token_indices)
     out.mkdir(parents=True, exist_ok=True)
     if kind == "legacy":
         _write_legacy(spec, base, out, config, seed=seed, init_scale=init_scale)
         return out
     from peft import get_peft_model
 
-    peft_model = get_peft_model(_load_base(base), config)
+    model = _load_base(base)
+    if vocab_size is not None:
+        with torch.random.fork_rng():  # the new rows: the model's own init, reproducible, the caller's RNG untouched
+            torch.manual_seed(seed)
+            model.resize_token_embeddings(vocab_size, mean_resizing=False)
+    peft_model = get_peft_model(model, config)
     _randomize_adapter_(peft_model, seed=seed, init_scale=init_scale)
     peft_model.save_pretrained(str(out), save_embedding_layers=save_embedding_layers)
     return out

@@ -13,6 +13,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
+
 from sync_service.verify.verdict import TP_EXTRA_ATOL, Reference, verdict
 
 __all__ = ["MAX_NEW_TOKENS", "PROMPTS", "TP_EXTRA_ATOL", "reference", "verify_version", "verify_weights"]
@@ -23,20 +25,24 @@ MAX_NEW_TOKENS = 8
 
 
 def reference(base: Path, adapter: Path | None, *, tp: int, merge_dir: Path | None = None,
-              prompts: Sequence[Sequence[int]] = PROMPTS, max_new_tokens: int = MAX_NEW_TOKENS) -> Reference:
+              prompts: Sequence[Sequence[int]] = PROMPTS, max_new_tokens: int = MAX_NEW_TOKENS,
+              dtype: torch.dtype | None = None) -> Reference:
     """The ``Reference`` of ``base`` + ``adapter`` (``None``: the base itself): PEFT's float64 merge cast
-    once and its greedy decodes of ``prompts``; with ``merge_dir``, also the ``weightsync merge`` output
-    written there and read back."""
+    once (into ``dtype``, the engines' dtype; default the base's) and its greedy decodes of ``prompts``; with
+    ``merge_dir``, also the ``weightsync merge`` output written there (in the base's dtype) and read back, its
+    floating tensors cast into ``dtype`` (exactly what an fp32-accumulated sync casts once into the engine's)."""
     from sync_service.merge.export import merge_checkpoint
     from sync_service.verify.peft_oracle import checkpoint_state, model_state, peft_merged_model
     from sync_service.verify.tokens import hf_decodes
 
-    model = peft_merged_model(base, adapter)
+    model = peft_merged_model(base, adapter, dtype=dtype)
     written = None
     if merge_dir is not None:
-        if adapter is not None:
+        if adapter is not None and not merge_dir.exists():  # one merge per version, whatever the engines' dtypes
             merge_checkpoint(base, adapter, merge_dir, target="hf", progress=False)
         written = checkpoint_state(base if adapter is None else merge_dir)
+        if dtype is not None:
+            written = {n: t.to(dtype) if t.is_floating_point() else t for n, t in written.items()}
     return Reference(oracle=model_state(model), written=written, decodes=hf_decodes(model, prompts, max_new_tokens),
                      extra_atol=0.0 if tp == 1 else TP_EXTRA_ATOL)
 
@@ -48,10 +54,16 @@ def verify_version(base: Path, vdir: Path, replay, engines: Sequence, *, tp: int
     Blocks up to ``timeout_s`` per engine call."""
     import ray
 
+    from sync_service.verify.peft_oracle import engine_dtype
+
     adapter = None if replay is None else replay.save(vdir / "adapter")
-    ref = reference(base, adapter, tp=tp, merge_dir=vdir / "merged")
+    refs: dict[torch.dtype | None, Reference] = {}  # per engine dtype: the oracle cast once into it
     out = []
     for engine in engines:
+        dtype = engine_dtype(ray.get(engine.param_metas.remote(), timeout=timeout_s))
+        if dtype not in refs:
+            refs[dtype] = reference(base, adapter, tp=tp, merge_dir=vdir / "merged", dtype=dtype)
+        ref = refs[dtype]
         state = ray.get(engine.state.remote(), timeout=timeout_s)
         gens = [ray.get(engine.generate.remote(list(p), MAX_NEW_TOKENS), timeout=timeout_s) for p in PROMPTS]
         out.append(verdict(ref, state, [g[0] for g in gens], gens[0][1]))
@@ -65,8 +77,16 @@ def verify_weights(base: Path, engines: Sequence, replay, *, tp: int, timeout_s:
 
     from sync_service.verify.peft_oracle import peft_merged_state
 
+    out = []
+    oracles: dict[tuple, dict] = {}  # per engine table's dtypes: the oracle cast once into them
     with tempfile.TemporaryDirectory(prefix="wsoracle") as work:  # the replayed adapter, as PEFT reads it
-        oracle = peft_merged_state(base, None if replay is None else replay.save(Path(work) / "adapter"))
-    ref = Reference(oracle=oracle, extra_atol=0.0 if tp == 1 else TP_EXTRA_ATOL)
-    return [verdict(ref, ray.get(e.state.remote(), timeout=timeout_s), None,
-                    ray.get(e.weight_version.remote(), timeout=timeout_s)) for e in engines]
+        adapter = None if replay is None else replay.save(Path(work) / "adapter")
+        for e in engines:
+            dtypes = {m.name: m.dtype for m in ray.get(e.param_metas.remote(), timeout=timeout_s)}
+            key = tuple(sorted(dtypes.items()))
+            if key not in oracles:
+                oracles[key] = peft_merged_state(base, adapter, dtypes=dtypes)
+            ref = Reference(oracle=oracles[key], extra_atol=0.0 if tp == 1 else TP_EXTRA_ATOL)
+            out.append(verdict(ref, ray.get(e.state.remote(), timeout=timeout_s), None,
+                               ray.get(e.weight_version.remote(), timeout=timeout_s)))
+    return out

@@ -2,7 +2,8 @@
 
 Nothing of weightsync's merge runs here: transformers loads the base checkpoint in float64, PEFT
 applies the adapter (``PeftModel.from_pretrained``) and merges it (``merge_and_unload``), and every
-parameter is cast once to the dtype the engines serve (the base's ``config.json`` dtype). What
+parameter is cast once to the dtype the engines serve (the base's ``config.json`` dtype, or the engine's own
+where it holds a tensor in another: ``peft_merged_state(..., dtypes=)``). What
 ``weightsync sync`` and ``weightsync demo`` call "verified" is equality with this model, so a merge
 rule weightsync gets wrong (a tying, an orientation, a scaling) cannot verify itself.
 
@@ -22,10 +23,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from protocols.params import FLOAT_DTYPES
 from sync_service.engines.hf import load_causal_lm
 from sync_service.merge.export import COPIED_FILES
 
-__all__ = ["StateCheck", "checkpoint_state", "compare_state", "model_state", "peft_merged_model", "peft_merged_state", "save_peft_merged", "values_match"]
+__all__ = ["StateCheck", "checkpoint_state", "compare_state", "engine_dtype", "model_state", "peft_merged_model",
+           "peft_merged_state", "save_peft_merged", "values_match"]
 
 
 def _serving_dtype(base_dir: Path) -> torch.dtype:
@@ -38,8 +41,10 @@ def _serving_dtype(base_dir: Path) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
 
-def peft_merged_model(base_dir: str | Path, adapter_dir: str | Path | None) -> torch.nn.Module:
-    """The base with the adapter merged by PEFT in float64, then cast once to the serving dtype.
+def peft_merged_model(base_dir: str | Path, adapter_dir: str | Path | None, *,
+                      dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """The base with the adapter merged by PEFT in float64, then cast once to ``dtype`` (default: the serving
+    dtype, the base's; pass the engines' dtype when they serve another one, ``torch.float64`` for no cast).
 
     ``adapter_dir=None``: the base itself (loaded in float64 and cast back: its exact values).
     Eval mode. Raises what transformers / PEFT raise for a base or adapter they cannot load.
@@ -49,8 +54,30 @@ def peft_merged_model(base_dir: str | Path, adapter_dir: str | Path | None) -> t
     if adapter_dir is not None:
         from peft import PeftModel
 
+        _resize_to_adapter(model, Path(adapter_dir))
         model = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
-    return model.to(_serving_dtype(base_dir)).train(False)
+    return model.to(dtype or _serving_dtype(base_dir)).train(False)
+
+
+def _resize_to_adapter(model: torch.nn.Module, adapter_dir: Path) -> None:
+    """PEFT's documented flow for an adapter trained on a grown vocabulary ("Fine-tuning with new
+    tokens"): ``model.resize_token_embeddings(V')`` on the base, then load the adapter. V' is the row
+    count of the adapter's saved input (or output) embedding (``save_embedding_layers=True`` /
+    ``modules_to_save``), found by the module names transformers reports; no resize when it has none
+    or it already fits. The new rows are then overwritten by the adapter's copy when PEFT loads it."""
+    from safetensors import safe_open
+
+    weights = adapter_dir / "adapter_model.safetensors"
+    if not weights.is_file():
+        return
+    modules = [m for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None]
+    names = {f"{n}.weight" for n, m in model.named_modules() if any(m is e for e in modules)}
+    with safe_open(str(weights), "pt") as f:
+        rows = {f.get_slice(k).get_shape()[0] for k in f.keys()
+                if k.removeprefix("base_model.model.").replace(".base_layer.", ".") in names}
+    current = model.get_input_embeddings().weight.shape[0]
+    if len(rows) == 1 and rows != {current}:
+        model.resize_token_embeddings(rows.pop(), mean_resizing=False)
 
 
 def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -65,9 +92,28 @@ def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def peft_merged_state(base_dir: str | Path, adapter_dir: str | Path | None) -> dict[str, torch.Tensor]:
-    """``model_state`` of ``peft_merged_model``: name → tensor in the serving dtype."""
-    return model_state(peft_merged_model(base_dir, adapter_dir))
+def peft_merged_state(base_dir: str | Path, adapter_dir: str | Path | None, *,
+                      dtypes: Mapping[str, str | torch.dtype] | None = None) -> dict[str, torch.Tensor]:
+    """``model_state`` of ``peft_merged_model``: name → tensor in the serving dtype, or with ``dtypes`` (name →
+    the dtype an engine serves it in, e.g. ``{m.name: m.dtype for m in engine.param_metas()}``) each floating
+    tensor cast once from PEFT's float64 merge into its engine's dtype (names ``dtypes`` lacks: the serving
+    dtype). An engine in another dtype than the trainers' base is judged against this, never against the
+    base-dtype oracle cast again (two roundings)."""
+    if dtypes is None:
+        return model_state(peft_merged_model(base_dir, adapter_dir))
+    serving = _serving_dtype(Path(base_dir))
+    merged = model_state(peft_merged_model(base_dir, adapter_dir, dtype=torch.float64))
+    return {n: t.to(_as_dtype(dtypes.get(n, serving))) if t.is_floating_point() else t for n, t in merged.items()}
+
+
+def engine_dtype(table) -> torch.dtype | None:
+    """The one floating dtype of an engine's parameter table (``ParamMeta``s), ``None`` when it holds several."""
+    floats = {m.dtype for m in table if m.dtype in FLOAT_DTYPES}
+    return _as_dtype(floats.pop()) if len(floats) == 1 else None
+
+
+def _as_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
 def checkpoint_state(model_dir: str | Path) -> dict[str, torch.Tensor]:

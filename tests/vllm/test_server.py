@@ -237,10 +237,11 @@ def test_server_receives_three_versions_and_bad_input(tmp_path: Path, ray_local)
         before = ray.get(engine.complete.remote([list(p) for p in PROMPTS], MAX_NEW_TOKENS), timeout=120)
         assert ray.get(engine.weight_version.remote(), timeout=60) is None
 
-        # plan mismatch: bf16 trainers cannot feed an fp32 server; refused before any byte moves
-        base16 = make_base("qwen3_moe", tmp_path / "base16", dtype="bfloat16", hidden=64, intermediate=32,
-                           num_experts=4, vocab_size=128, scale=0.1)
-        wrong = start_trainers(base16, None, ep=1)
+        # plan mismatch: trainers of another model size cannot feed the server (a dtype is cast, a shape
+        # never); refused before any byte moves
+        other = make_base("qwen3_moe", tmp_path / "other", dtype=DTYPE, hidden=64, intermediate=16,
+                          num_experts=4, vocab_size=128, scale=0.1)
+        wrong = start_trainers(other, None, ep=1)
         with pytest.raises(PlanMismatchError, match="server0"):
             WeightSync(trainers=wrong, engines=[engine], config=SyncConfig(transport="shm", timeout_s=120))
         for t in wrong:
@@ -298,6 +299,14 @@ def test_bf16_server_serves_pefts_float64_merge_exactly(tmp_path: Path, ray_loca
             assert [{"tokens": g["tokens"], "logprobs": g["logprobs"]} for g in got] == [
                 {"tokens": e["tokens"], "logprobs": e["logprobs"]} for e in expected[v]], f"version {v} differs"
         sync.close()
+        # a new WeightSync (a second `weightsync sync` run) over the same server continues its version
+        again = WeightSync(trainers=trainers, engines=[engine],
+                           config=SyncConfig(transport="shm", timeout_s=120, accumulate_dtype="float64"))
+        assert again.engine_versions() == {"server0": 1}
+        with pytest.raises(ValueError, match="engine server0 already serves version 1 .*push version 2 or later"):
+            again.push(1)
+        assert again.push(2).engines[0].committed and ray.get(engine.weight_version.remote(), timeout=60) == 2
+        again.close()
         for a in (*trainers, engine):
             ray.kill(a)
 

@@ -1,0 +1,100 @@
+"""Block FP8 (e4m3) quantization of merged weights, with transformers' arithmetic bit for bit.
+
+Format (DeepSeek-V3 / Qwen3-*-FP8, transformers ``FineGrainedFP8Config``): a weight ``[.., N, K]`` is cut
+into blocks ``[bm, bn]`` over its last two dims; each block is stored as ``float8_e4m3fn`` values ``q`` and
+one ``weight_scale_inv`` ``s`` (``[.., N / bm, K / bn]``), dequantized as ``q × s``.
+
+Source of the arithmetic: ``transformers.integrations.finegrained_fp8.Fp8Quantize._quantize_one``
+(transformers 5.19). ``quantize_blocks`` runs its torch operations in the same order on the same dtypes:
+
+    x      = values.to(float32)
+    amax   = |x|.amax over each block
+    scale  = 448 / where(amax > 0, amax, 1);  scale = where(amax > 0, scale, 1)   (a zero block: scale 1)
+    s      = (1.0 / scale).to(float32)                                            (not amax / 448: differs in ulps)
+    ue8m0: s = 2 ** ceil(log2(max(s, tiny32)));  stored as float8_e8m0fnu;  scale = 1 / s
+    q      = clamp(x × scale, -448, 448).to(float8_e4m3fn)
+
+so a merged tensor equal to the reference's float32 tensor gives equal bytes and scales. Other FP8
+quantizers differ (vLLM's ``per_block_cast_to_fp8`` clamps amax at 1e-4; verl / slime add eps 1e-10).
+
+Boxes: every block is quantized on its own values alone, so ``quantize_blocks`` of a box of a tensor whose
+last-two-dim offsets and extents are multiples of the block (``box_aligned``) gives exactly the values of
+the same box of the whole result, and the scales of the block box ``[.., r0/bm : r1/bm, c0/bn : c1/bn]``.
+Leading dims (experts) may be cut anywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0, as transformers' _FP8_MAX
+FP8_MIN = torch.finfo(FP8_DTYPE).min
+SCALE_FMTS = ("float", "ue8m0")
+"""``FineGrainedFP8Config.scale_fmt`` values: float32 scales, or power-of-two ``float8_e8m0fnu`` scales."""
+
+__all__ = ["FP8_DTYPE", "SCALE_FMTS", "box_aligned", "divides", "quantize_blocks", "scale_dtype", "scale_name",
+           "scale_shape"]
+
+
+def scale_dtype(scale_fmt: str) -> torch.dtype:
+    """dtype of ``weight_scale_inv``: float32 for ``"float"``, ``torch.float8_e8m0fnu`` for ``"ue8m0"``
+    (what transformers' quantizer writes; both checked against its ``save_pretrained``)."""
+    if scale_fmt not in SCALE_FMTS:
+        raise ValueError(f"scale_fmt {scale_fmt!r}: use one of {', '.join(SCALE_FMTS)}")
+    return torch.float32 if scale_fmt == "float" else torch.float8_e8m0fnu
+
+
+def scale_name(key: str) -> str:
+    """Name of the scales of weight ``key``, transformers' rule: ``X.weight`` → ``X.weight_scale_inv``,
+    any other name (a fused expert parameter ``experts.gate_up_proj``) → ``<key>_scale_inv``."""
+    return key.rsplit(".", 1)[0] + ".weight_scale_inv" if key.endswith(".weight") else key + "_scale_inv"
+
+
+def divides(shape: Sequence[int], block: tuple[int, int]) -> bool:
+    """Whether a tensor of ``shape`` is quantized at all: at least 2D, last two dims multiples of the block
+    (transformers passes every other tensor through unquantized)."""
+    return len(shape) >= 2 and shape[-2] % block[0] == 0 and shape[-1] % block[1] == 0
+
+
+def box_aligned(box: Sequence[tuple[int, int]], block: tuple[int, int]) -> bool:
+    """Whether ``box`` (``(start, stop)`` per dim) starts and ends on block edges in its last two dims."""
+    return len(box) >= 2 and all(a % b == 0 and c % b == 0 for (a, c), b in zip(box[-2:], block))
+
+
+def scale_shape(shape: Sequence[int], block: tuple[int, int]) -> tuple[int, ...]:
+    """Shape of the scales of a quantized ``shape``: ``[.., N / bm, K / bn]``."""
+    return (*shape[:-2], shape[-2] // block[0], shape[-1] // block[1])
+
+
+def quantize_blocks(values: torch.Tensor, block: tuple[int, int], scale_fmt: str = "float") -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-quantize ``values`` ``[.., N, K]`` (float32 or float64; a float64 input is cast once to float32
+    first, as transformers casts) into ``(q, s)``: ``q`` float8_e4m3fn of ``values``' shape, ``s`` the
+    ``weight_scale_inv`` ``[.., N / bm, K / bn]`` in ``scale_dtype(scale_fmt)``. New tensors, on ``values``'
+    device; ``values`` is only read. Transient memory: a few float32 copies of ``values``.
+
+    Raises:
+        ValueError: ``values`` is not floating or under 2D, the last two dims are not multiples of ``block``
+            (check ``divides`` first: such tensors stay unquantized), or an unknown ``scale_fmt``.
+    """
+    if not values.is_floating_point() or not divides(values.shape, block):
+        raise ValueError(f"quantize_blocks needs a floating [.., N, K] tensor with N % {block[0]} == 0 and "
+                         f"K % {block[1]} == 0; got {values.dtype}{list(values.shape)}")
+    want_scale = scale_dtype(scale_fmt)
+    bm, bn = block
+    lead, rows, cols = values.shape[:-2], values.shape[-2], values.shape[-1]
+    blocks = values.to(torch.float32).reshape(*lead, rows // bm, bm, cols // bn, bn)
+    amax = blocks.abs().amax(dim=(-3, -1))
+    safe = torch.where(amax > 0, amax, torch.ones_like(amax))
+    scales = FP8_MAX / safe
+    scales = torch.where(amax > 0, scales, torch.ones_like(scales))
+    inv = (1.0 / scales).to(torch.float32)
+    if want_scale != torch.float32:  # ue8m0: the stored inverse is a power of two, the forward scale its reciprocal
+        inv = torch.pow(2.0, torch.ceil(torch.log2(inv.clamp(min=torch.finfo(torch.float32).tiny))))
+        inv = inv.to(want_scale)
+        scales = 1.0 / inv.to(torch.float32)
+    scaled = blocks * scales.unsqueeze(-1).unsqueeze(-3)
+    q = torch.clamp(scaled, min=FP8_MIN, max=FP8_MAX).to(FP8_DTYPE).reshape(values.shape)
+    return q, inv
