@@ -26,10 +26,12 @@ from pathlib import Path
 from sync_service import defaults
 from sync_service.entrypoints.preflight import (CLI_ENGINES, check_adapter, check_run_arguments, check_sharding, check_transport,
                                     fail, resolve_engines, resolve_parallel)
+from sync_service.entrypoints.preflight_engine_base import check_engine_base
 from sync_service.entrypoints.progress import Steps
-from sync_service.transports.spec import TRANSPORTS
 from sync_service.verify.hf import verify_version
 from sync_service.entrypoints.workdir import run_dir, run_root, ray_temp
+from sync_service.entrypoints.sync_args import (add_arguments, add_common_arguments, add_version_arguments,  # noqa: F401
+                                                 version_options)
 
 
 
@@ -41,6 +43,9 @@ class RunConfig:
     """Base checkpoint directory (``config.json`` + ``*.safetensors``)."""
     adapter: Path | None
     """PEFT LoRA adapter directory; ``None`` syncs the base as is."""
+    engine_base: Path | None = None
+    """The checkpoint the engines load (``--engine-base``; ``None``: ``base``): the base's tensors and shapes, in
+    the dtypes the engines serve — each tensor is merged in ``accumulate_dtype`` and cast once into them."""
     ep: int = 1
     """Expert-parallel trainer ranks."""
     tp: int = 1
@@ -94,6 +99,8 @@ class VersionRow:
     gb_per_s: float
     stages: dict
     engines: list = field(default_factory=list)
+    conversions: dict = field(default_factory=dict)
+    """The plan's casts into the engines' dtypes: ``"float32->bfloat16"`` → tensors (``WeightSync.dtype_conversions``)."""
 
     @property
     def verified(self) -> bool:
@@ -167,6 +174,7 @@ def run_local(cfg: RunConfig, launcher) -> list[VersionRow]:
             steps.step(f"version {v}: verify")
             checks = verify_version(cfg.base, work / f"v{v}", replay, engines, tp=cfg.tp, timeout_s=cfg.timeout_s)
             rows.append(VersionRow.of(v, m, [{"engine": n, **c} for n, c in zip(names, checks)]))
+            rows[-1].conversions = {f"{a}->{b}": n for (a, b), n in sorted(sync.dtype_conversions.items())}
             if cfg.digests_path is not None:
                 write_digests(cfg.digests_path, v, engines, cfg.timeout_s)
             print_row(rows[-1])
@@ -208,7 +216,7 @@ def start_actors(cfg: RunConfig, launcher) -> tuple[list, list]:
     """Trainers and engines of ``cfg``, started at once (their processes import torch and load the base in
     parallel: one start-up wait instead of two). Blocks until both answer (``cfg.timeout_s`` each)."""
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="start-engines") as pool:
-        engines = pool.submit(launcher.start_engines, cfg.base, cfg.engines, timeout_s=cfg.timeout_s)
+        engines = pool.submit(launcher.start_engines, cfg.engine_base or cfg.base, cfg.engines, timeout_s=cfg.timeout_s)
         trainers = launcher.start_trainers(cfg.base, cfg.adapter, ep=cfg.ep, tp=cfg.tp, timeout_s=cfg.timeout_s)
         return trainers, engines.result()
 
@@ -233,7 +241,7 @@ def print_row(r: VersionRow) -> None:
 def write_json(path: Path, rows: list[VersionRow], extra: dict) -> None:
     doc = {"versions": [{"version": r.version, "full": r.full, "bytes": r.bytes, "buckets": r.buckets,
                          "seconds": r.seconds, "gb_per_s": r.gb_per_s, "stages": r.stages, "verified": r.verified,
-                         "engines": r.engines} for r in rows], **extra}
+                         "engines": r.engines, "dtype_conversions": r.conversions} for r in rows], **extra}
     path.write_text(json.dumps(doc, indent=2) + "\n")
 
 
@@ -248,59 +256,6 @@ def write_digests(path: Path, version: int, engines: list, timeout_s: float) -> 
     doc["versions"].append({"version": version, "engines": {n: {"version": w.version, "tensors": w.digests()}
                                                             for n, w in sorted(served.items())}})
     path.write_text(json.dumps(doc, indent=1) + "\n")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base", required=True, type=Path, help="base checkpoint directory")
-    parser.add_argument("--adapter", type=Path, default=None, help="PEFT LoRA adapter directory (optional)")
-    parser.add_argument("--secret-file", type=Path, default=None,
-                        help="file holding the HMAC key that authenticates every bucket (>= 16 bytes, not group/"
-                             "world-writable; default: $WEIGHTSYNC_SECRET_FILE, else a fresh random key per run)")
-    parser.add_argument("--no-check-finite", dest="check_finite", action="store_false",
-                        help="do not refuse merged weights holding NaN/Inf (the check costs one pass per tensor)")
-    parser.add_argument("--vllm-url", dest="vllm_urls", action="append", default=[], metavar="URL",
-                        help="--engine vllm-server: a running vLLM server started with the weightsync backend "
-                             "(repeat for several; default: start --engines local servers). docs/vllm.md")
-    parser.add_argument("--vllm-api-key", default=None, metavar="KEY",
-                        help="the servers' --api-key (default: $VLLM_API_KEY)")
-    parser.add_argument("--digests", type=Path, default=None, metavar="FILE",
-                        help="after each version write every engine's per-tensor xxh3_64 digests of the weights it "
-                             "serves to FILE (JSON; --engine hf; docs/operations.md)")
-    add_common_arguments(parser, versions=1)
-
-
-def add_common_arguments(parser: argparse.ArgumentParser, *, versions: int) -> None:
-    parser.add_argument("--trainers", type=int, default=None, help="trainer shards (default: ep · tp)")
-    parser.add_argument("--ep", type=int, default=None, help="expert-parallel ranks (default: --trainers, or 2)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
-    parser.add_argument("--engine", choices=tuple(CLI_ENGINES), default="hf",
-                        help="rollout engine kind (default hf): " + "; ".join(f"{k}: {e.help}" for k, e in CLI_ENGINES.items()))
-    parser.add_argument("--engines", type=int, default=None, metavar="M",
-                        help="number of rollout engines (default: " + ", ".join(
-                            f"{e.default_count} for {k}" for k, e in CLI_ENGINES.items()) + ")")
-    parser.add_argument("--versions", type=int, default=versions, help=f"weight versions to push (default {versions})")
-    parser.add_argument("--transport", choices=tuple(TRANSPORTS), default=defaults.TRANSPORT,
-                        help=f"transport (default {defaults.TRANSPORT})")
-    parser.add_argument("--bucket-bytes", type=int, default=defaults.SMALL_MODEL_BUCKET_BYTES,
-                        help=f"bucket size in bytes (default {defaults.SMALL_MODEL_BUCKET_BYTES >> 20} MiB)")
-    parser.add_argument("--timeout", type=float, default=defaults.TIMEOUT_S,
-                        help=f"per-step timeout, seconds (default {defaults.TIMEOUT_S:g})")
-    parser.add_argument("--json", type=Path, default=None, help="write the results as JSON to this path")
-    parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
-                        help="serve Prometheus metrics on 127.0.0.1:PORT/metrics while the run lasts (0: a free port)")
-    add_version_arguments(parser)
-
-
-def add_version_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--accumulate-dtype``, ``--first-version``, ``--reset-versions`` (sync, demo, run)."""
-    parser.add_argument("--accumulate-dtype", choices=("float32", "float64"), default="float32",
-                        help="merge accumulation dtype (default float32); float64 serves PEFT's float64 merge cast "
-                             "once bit for bit, and the verdict then accepts no greedy-token flip at a near-tie")
-    parser.add_argument("--first-version", type=int, default=None, metavar="N",
-                        help="first weight version pushed (default: one above the highest version the engines "
-                             "serve, 0 for fresh engines); at or below a served version it is refused")
-    parser.add_argument("--reset-versions", action="store_true",
-                        help="number versions from --first-version (default 0) even below what the engines serve")
 
 
 def execute(cfg: RunConfig, extra: dict, launcher) -> int:
@@ -340,7 +295,8 @@ def run(args: argparse.Namespace) -> int:
     for what, path in (("--base", args.base), ("--adapter", args.adapter)):
         if path is not None and not path.is_dir():
             fail(args, f"{what} {path}: not a directory")
-    given = {"base": str(args.base), "adapter": None if args.adapter is None else str(args.adapter)}
+    given = {"base": str(args.base), "adapter": None if args.adapter is None else str(args.adapter),
+             "engine_base": None if args.engine_base is None else str(args.engine_base)}
     with tempfile.TemporaryDirectory(prefix="wsync-dcp", dir=run_root()) as tmp:
         args.base, args.adapter = hf_inputs(args, Path(tmp))
         return _run_checked(args, ep, tp, given)
@@ -358,16 +314,11 @@ def hf_inputs(args: argparse.Namespace, work_dir: Path) -> tuple[Path, Path | No
         fail(args, str(exc))
 
 
-def version_options(args: argparse.Namespace) -> dict:
-    """The ``RunConfig`` fields of ``add_version_arguments``' flags."""
-    return {"accumulate_dtype": args.accumulate_dtype, "first_version": args.first_version,
-            "reset_versions": args.reset_versions}
-
-
 def _run_checked(args: argparse.Namespace, ep: int, tp: int, given: dict) -> int:
     """``run`` once the inputs are HF directories: the preflight checks, then the engine kind's runner
     (``given``: the ``--base`` / ``--adapter`` paths as given, for the report)."""
     check_run_arguments(args)
+    check_engine_base(args, args.base)
     if args.digests is not None and args.engine != "hf":
         fail(args, f"--digests: engine {args.engine!r} cannot read back its served weights; use --engine hf")
     if args.vllm_urls:
@@ -387,7 +338,7 @@ def _run_checked(args: argparse.Namespace, ep: int, tp: int, given: dict) -> int
         secret = resolve_secret(args.secret_file)
     except (OSError, ValueError) as exc:
         fail(args, f"--secret-file: {exc}")
-    cfg = RunConfig(base=args.base, adapter=args.adapter, ep=ep, tp=tp, engine=args.engine, engines=engines,
+    cfg = RunConfig(base=args.base, adapter=args.adapter, engine_base=args.engine_base, ep=ep, tp=tp, engine=args.engine, engines=engines,
                     versions=args.versions, transport=args.transport, bucket_bytes=args.bucket_bytes,
                     timeout_s=args.timeout, json_path=args.json, digests_path=args.digests, check_finite=args.check_finite, secret=secret,
                     metrics_port=args.metrics_port, vllm_urls=tuple(args.vllm_urls),

@@ -126,11 +126,13 @@ def checkpoint_state(model_dir: str | Path) -> dict[str, torch.Tensor]:
     return {m.name: checkpoint.read(m.name, full_box(m.shape)) for m in checkpoint.metas()}
 
 
-def save_peft_merged(base_dir: str | Path, adapter_dir: str | Path | None, out_dir: str | Path) -> Path:
-    """``peft_merged_model`` written with ``save_pretrained`` (safetensors), plus the base's tokenizer
-    and generation files, so an engine can start from it. Returns ``out_dir``."""
+def save_peft_merged(base_dir: str | Path, adapter_dir: str | Path | None, out_dir: str | Path, *,
+                     dtype: torch.dtype | None = None) -> Path:
+    """``peft_merged_model`` (cast once to ``dtype``, default the base's) written with ``save_pretrained``
+    (safetensors), plus the base's tokenizer and generation files, so an engine can start from it.
+    Returns ``out_dir``."""
     base_dir, out_dir = Path(base_dir), Path(out_dir)
-    peft_merged_model(base_dir, adapter_dir).save_pretrained(str(out_dir))
+    peft_merged_model(base_dir, adapter_dir, dtype=dtype).save_pretrained(str(out_dir))
     for name in COPIED_FILES:
         if (base_dir / name).is_file() and not (out_dir / name).exists():
             shutil.copy2(base_dir / name, out_dir / name)

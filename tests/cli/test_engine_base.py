@@ -1,0 +1,60 @@
+"""``weightsync sync --engine-base DIR``: engines load another checkpoint of the same model (here the fp32
+base saved in bf16); the trainers merge in the accumulation dtype and cast once into the engines' dtype, and
+the run verifies against PEFT's float64 merge cast once into bf16. Bad engine bases are refused before Ray
+in one line (in process); the sync itself runs once through the console script."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from sync_service.synthetic import make_adapter, make_base
+from sync_service.verify.peft_oracle import save_peft_merged
+from tests.cli.test_cli_subprocess import one_error_line, weightsync
+from tests.cli.test_preflight import fails
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("engine_base")
+    base = make_base("qwen3_moe", root / "base", dtype="float32")
+    lora = make_adapter("qwen3_moe", base, root / "lora", kind="target_parameters", r=2)
+    bf16 = save_peft_merged(base, None, root / "bf16", dtype=torch.bfloat16)  # the same base, served in bf16
+    other = make_base("qwen3_moe", root / "other", hidden=32)
+    quantized = root / "quantized"
+    shutil.copytree(bf16, quantized)
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [16, 16]}
+    (quantized / "config.json").write_text(json.dumps(config))
+    return {"base": base, "lora": lora, "bf16": bf16, "other": other, "quantized": quantized, "root": root}
+
+
+@pytest.mark.parametrize("case, extra, message", [
+    ("other size", ("--engine-base", "{other}"), "lm_head.weight is [64, 32] there and [64, 16] in --base; give the same model"),
+    ("not a model", ("--engine-base", "{root}"), "not a model directory (no config.json)"),
+    ("quantized", ("--engine-base", "{quantized}"), "a quantized checkpoint (quantization_config)"),
+    ("vllm", ("--engine-base", "{bf16}", "--engine", "vllm"), "supported with --engine hf"),
+])
+def test_a_bad_engine_base_is_refused_before_ray(files, capsys, case, extra, message):
+    argv = ["sync", "--base", str(files["base"]), "--adapter", str(files["lora"]), "--ep", "1",
+            *(a.format(**files) for a in extra)]
+    fails(capsys, argv, message)
+
+
+def test_fp32_trainer_into_bf16_engines_verifies_against_peft(files, tmp_path):
+    out = tmp_path / "run.json"
+    rc, err, _ = weightsync(["sync", "--base", str(files["base"]), "--adapter", str(files["lora"]),
+                             "--engine-base", str(files["bf16"]), "--ep", "1", "--engines", "1", "--versions", "2",
+                             "--accumulate-dtype", "float64", "--json", str(out)], ray_allowed=True)
+    assert rc == 0, err[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["ok"] and doc["engine_base"] == str(files["bf16"]) and len(doc["versions"]) == 2
+    for row in doc["versions"]:
+        assert row["dtype_conversions"] and set(row["dtype_conversions"]) == {"float32->bfloat16"}, row
+        (engine,) = row["engines"]
+        assert engine["verified"] and engine["weights_equal_reference"], engine
+        assert engine["max_abs_diff"] == 0.0, engine  # float64 accumulation: PEFT's merge cast once, bit for bit
