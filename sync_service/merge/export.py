@@ -222,11 +222,16 @@ def merge_checkpoint(
     shards = _plan_shards(source, writer, target, max_shard_bytes)
     setup_s = time.perf_counter() - t0
     total = _write_output(source, writer, target, shards, base_dir, out_dir, dtype, progress, fp8)
+    return _summary(source, writer, shards, total, time.perf_counter() - t0, setup_s)
+
+
+def _summary(source: MergedSource, writer, shards: list[list[tuple[str, Piece]]], total: int, seconds: float,
+             setup_s: float) -> dict:
     pieces = [(name, piece) for shard in shards for name, piece in shard]
     summary = {"tensors": sum(len(writer.outputs(n, p)) for n, p in pieces), "bytes": total, "shards": len(shards),
-               "seconds": time.perf_counter() - t0, "setup_seconds": setup_s,
+               "seconds": seconds, "setup_seconds": setup_s,
                "changed": sum(source.touches(name, piece.box) for name, piece in pieces)}
-    return summary | ({"quantized": writer.quantized_pieces} if fp8 else {})
+    return summary | ({"quantized": writer.quantized_pieces} if isinstance(writer, Fp8Writer) else {})
 
 
 def _write_output(source: MergedSource, writer, target: str, shards: list[list[tuple[str, Piece]]], base_dir: Path,

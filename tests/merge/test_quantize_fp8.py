@@ -12,13 +12,18 @@ import torch
 from sync_service.merge.quantize import box_aligned, divides, quantize_blocks, scale_name, scale_shape
 
 
-def reference(values: torch.Tensor, block: tuple[int, int], scale_fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' ``Fp8Quantize._quantize_one`` of ``values`` as ``x.weight`` → (fp8, weight_scale_inv)."""
+def transformers_quantize(key: str, values: torch.Tensor, block: tuple[int, int], scale_fmt: str) -> dict[str, torch.Tensor]:
+    """transformers' ``Fp8Quantize._quantize_one(key, values)``: ``{key: fp8, scale key: scale_inv}``, or
+    ``{key: values}`` where it passes the tensor through."""
     from transformers import FineGrainedFP8Config
     from transformers.integrations.finegrained_fp8 import Fp8Quantize
 
     quantizer = SimpleNamespace(quantization_config=FineGrainedFP8Config(weight_block_size=block, scale_fmt=scale_fmt))
-    out = Fp8Quantize(quantizer)._quantize_one("x.weight", values)
+    return Fp8Quantize(quantizer)._quantize_one(key, values)
+
+
+def reference(values: torch.Tensor, block: tuple[int, int], scale_fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    out = transformers_quantize("x.weight", values, block, scale_fmt)
     return out["x.weight"], out["x.weight_scale_inv"]
 
 
@@ -89,7 +94,7 @@ def test_shapes_the_block_does_not_divide_are_refused():
     assert not divides((16, 24), (16, 16)) and not divides((16,), (16, 16)) and divides((2, 32, 16), (16, 16))
     with pytest.raises(ValueError, match="K % 16 == 0"):
         quantize_blocks(torch.zeros(16, 24), (16, 16))
-    assert reference(torch.zeros(16, 24), (16, 16), "float")[1] is None if False else True  # transformers passes it through
+    assert transformers_quantize("x.weight", torch.zeros(16, 24), (16, 16), "float").keys() == {"x.weight"}  # passed through
     assert scale_shape((4, 64, 32), (16, 16)) == (4, 4, 2)
     assert scale_name("a.q_proj.weight") == "a.q_proj.weight_scale_inv"
     assert scale_name("a.experts.gate_up_proj") == "a.experts.gate_up_proj_scale_inv"
