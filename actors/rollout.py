@@ -44,8 +44,11 @@ def _vllm(model_dir: str):
 def _memory(model_dir: str):
     from sync_service.engines.memory import MemoryEngine
     from sync_service.merge.base import SafetensorsBase
+    from sync_service.merge.fp8_checkpoint import is_fp8_checkpoint
     from protocols.params import full_box
 
+    if is_fp8_checkpoint(model_dir):  # FP8 values + scales in hf-fused naming (sync_service.fp8)
+        return MemoryEngine.from_fp8_checkpoint(model_dir)
     base = SafetensorsBase(model_dir)
     return MemoryEngine({m.name: base.read(m.name, full_box(m.shape)).clone() for m in base.metas()})
 
@@ -269,4 +272,4 @@ RolloutEngine = ray.remote(num_cpus=0, max_concurrency=4)(RolloutEngineCore)
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
-    return (t.float() if t.dtype == torch.bfloat16 else t).numpy().copy()
+    return (t.float() if t.dtype in (torch.bfloat16, torch.float8_e4m3fn) else t).numpy().copy()  # both exact in fp32

@@ -33,7 +33,8 @@ from sync_service.coordinator.planning import DtypeConflictError
 from sync_service.coordinator.join import JoinMetrics
 from sync_service.coordinator.metrics import EngineResult, SyncError, SyncMetrics
 from sync_service.coordinator.versions import check_version
-from sync_service.transports.spec import RELAYS, TRANSPORTS
+from sync_service.coordinator.config_check import check_listen, is_kind, short_repr
+from sync_service.transports.spec import RELAYS, TRANSPORTS, resolve_backend
 from sync_service.factor_stream.choose import FactorPolicy
 from sync_service.factor_stream.coordination import FactorCoordination
 
@@ -48,7 +49,14 @@ class SyncConfig:
     bucket_bytes: int = defaults.BUCKET_BYTES
     """Bucket payload size, bytes (multiple of 64); larger tensors are cut into boxes along dim 0."""
     transport: str = defaults.TRANSPORT
-    """``"shm"`` (same host shared memory), ``"ray"`` (object store), ``"torch"`` (torch.distributed)."""
+    """``"shm"`` (same host shared memory), ``"ray"`` (object store), ``"torch"`` (torch.distributed),
+    ``"cuda_ipc"`` (same host, bucket slots on ``device`` shared once); ``transports.spec.AUTO_TRANSPORT`` says which fits."""
+    backend: str = "auto"
+    """torch.distributed backend of the ``"torch"`` transport: ``"gloo"``, ``"nccl"`` (CUDA buckets only), or
+    ``"auto"``: NCCL when ``device`` is CUDA, gloo otherwise (``transports.spec.AUTO_BACKEND``)."""
+    device: str = "cpu"
+    """Where the transport's bucket buffers live: ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (``"cuda_ipc"`` slots,
+    the ``"torch"`` transport's buffers under NCCL)."""
     relay: str = "auto"
     """Fan-out (``TransportSpec.relay``): ``"chain"`` (``"ray"`` only): each bucket goes once, to the first
     engine, and each engine relays it to the next while it applies; ``"direct"``: every engine takes it
@@ -101,13 +109,14 @@ class SyncConfig:
     def __post_init__(self) -> None:
         for name, kinds in _FIELD_TYPES.items():
             value = getattr(self, name)
-            if not _is_kind(value, kinds):
+            if not is_kind(value, kinds):
                 allowed = " or ".join("None" if k is None else k.__name__ for k in kinds)
-                raise ValueError(f"SyncConfig.{name}={_short_repr(value)} must be {allowed}, got {type(value).__name__}")
+                raise ValueError(f"SyncConfig.{name}={short_repr(value)} must be {allowed}, got {type(value).__name__}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"SyncConfig.transport={self.transport!r}; use one of {sorted(TRANSPORTS)}")
         if self.relay not in RELAYS or self.relay == "chain" and not TRANSPORTS[self.transport].relays:
             raise ValueError(f"SyncConfig.relay={self.relay!r}; use one of {RELAYS} ('chain' needs transport='ray')")
+        resolve_backend(self.backend, self.device)  # raises ValueError naming the field and the fix
         if self.bucket_bytes <= 0 or self.bucket_bytes % 64:
             raise ValueError(f"SyncConfig.bucket_bytes={self.bucket_bytes} must be a positive multiple of 64")
         if self.bucket_bytes > MAX_BUCKET_BYTES:
@@ -126,7 +135,7 @@ class SyncConfig:
         if self.max_in_flight < 1 or self.max_staleness < 0:
             raise ValueError(f"SyncConfig.max_in_flight={self.max_in_flight} must be >= 1 and "
                              f"max_staleness={self.max_staleness} >= 0")
-        _check_listen(self.bind_host, self.port_range)
+        check_listen(self.bind_host, self.port_range)
         if self.secret is not None:
             from sync_service.security import check_secret
 
@@ -139,40 +148,10 @@ buffered per trainer in RAM or /dev/shm; beyond this a bucket only costs memory)
 
 # field → allowed kinds (``None`` allows None); bool is never accepted for int fields; ``secret``: ``check_secret``.
 _FIELD_TYPES: dict[str, tuple] = {
-    "bucket_bytes": (int,), "transport": (str,), "relay": (str,), "timeout_s": (int, float),
+    "bucket_bytes": (int,), "transport": (str,), "backend": (str,), "device": (str,), "relay": (str,), "timeout_s": (int, float),
     "check_finite": (bool,), "accumulate_dtype": (str,), "reset_versions": (bool,), "delta": (bool,), "max_in_flight": (int,),
     "max_staleness": (int,), "mode": (str,), "factor_memory_bytes": (int, None), "experts_per_recipe": (int,),
     "metrics_port": (int, None), "metrics_host": (str,), "bind_host": (str,), "port_range": (tuple, None)}
-
-
-def _check_listen(bind_host: str, port_range: tuple[int, int] | None) -> None:
-    """Raises ValueError unless ``bind_host`` is a local address and ``port_range`` two ports, first <= last."""
-    import socket
-
-    if bind_host in ("", "0.0.0.0", "::"):
-        raise ValueError(f"SyncConfig.bind_host={bind_host!r} would listen on every interface; give this host's "
-                         "address that the trainers and engines reach (default 127.0.0.1)")
-    try:
-        socket.getaddrinfo(bind_host, None)
-    except OSError as exc:
-        raise ValueError(f"SyncConfig.bind_host={bind_host!r} does not resolve ({exc}); give an address of this host") from None
-    if port_range is not None and not (len(port_range) == 2 and all(type(p) is int and 1 <= p <= 65535 for p in port_range)
-                                       and port_range[0] <= port_range[1]):
-        raise ValueError(f"SyncConfig.port_range={port_range!r} must be (first, last) ports in [1, 65535] with "
-                         "first <= last, or None for a free port the OS picks")
-
-
-def _is_kind(value, kinds: tuple) -> bool:
-    if value is None:
-        return None in kinds
-    if isinstance(value, bool):
-        return bool in kinds
-    return any(k is not None and isinstance(value, k) for k in kinds)
-
-
-def _short_repr(value, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "…"
 
 
 def _mode_of(config: SyncConfig):

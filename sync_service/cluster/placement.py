@@ -18,6 +18,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, placement_
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from sync_service.cluster.config import DeployConfig
+from sync_service.transports.spec import auto_transport
 
 __all__ = ["Deployment", "PlacementError", "bundle_nodes", "choose_transport", "node_addresses", "place_group", "wait_bundle_alive"]
 
@@ -67,20 +68,22 @@ def node_addresses() -> dict[str, str]:
     return {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
 
 
-def choose_transport(requested: str, trainer_ips: list[str], engine_ips: list[str]) -> tuple[str, str]:
+def choose_transport(requested: str, trainer_ips: list[str], engine_ips: list[str], *,
+                     device: str = "cpu") -> tuple[str, str]:
     """The ``SyncConfig.transport`` for ``requested`` (``auto`` or a kind) and why.
 
-    ``auto``: every actor on one host → ``shm`` (shared memory, 10-12 GB/s here); otherwise → ``ray``
-    (object store; zero-copy reads on each node, one node-to-node copy per bucket and node).
-    ``torch`` (torch.distributed broadcast; NCCL on GPU) is only taken when asked for: it needs a
-    single trainer shard and a rendezvous address every engine can reach.
+    ``auto``: the one table ``transports.spec.AUTO_TRANSPORT`` with (one host?, bucket ``device``): CPU buckets
+    on one host → ``shm`` (shared memory, 10-12 GB/s here), across hosts → ``ray`` (object store; zero-copy
+    reads on each node); CUDA buckets on one host → ``cuda_ipc``, across hosts → ``torch`` (NCCL: a single
+    trainer shard and a rendezvous address every engine reaches).
     """
     if requested != "auto":
         return requested, "set in the config (sync.transport)"
     hosts = set(trainer_ips) | set(engine_ips)
+    kind = auto_transport(len(hosts) == 1, device)
     if len(hosts) == 1:
-        return "shm", f"every actor on host {next(iter(hosts))}"
-    return "ray", f"actors on {len(hosts)} hosts {sorted(hosts)}"
+        return kind, f"every actor on host {next(iter(hosts))}" + ("" if device == "cpu" else f", {device} buckets")
+    return kind, f"actors on {len(hosts)} hosts {sorted(hosts)}" + ("" if device == "cpu" else f", {device} buckets")
 
 
 @dataclass(slots=True)

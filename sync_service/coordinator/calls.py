@@ -13,8 +13,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from protocols.endpoints import EndpointError, EndpointTimeoutError, clean_error_text
 from sync_service.coordinator.deaths import died_error
@@ -24,6 +22,7 @@ __all__ = ["alive", "call_all", "endpoint_error", "settle"]
 
 def endpoint_error(endpoint: str, call: str, exc: BaseException) -> EndpointError:
     """``exc`` (raised by ``ray.get`` on ``endpoint``'s ``call``) as the project's error."""
+    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError  # Ray only where a Ray call ran
     if isinstance(exc, EndpointError):
         return exc
     if isinstance(exc, RayTaskError):
@@ -44,6 +43,7 @@ def endpoint_error(endpoint: str, call: str, exc: BaseException) -> EndpointErro
 def settle(refs: Sequence, names: Sequence[str], call: str, timeout_s: float) -> tuple[list, list]:
     """Wait for every ref (at most ``timeout_s`` in all); per ref its result or ``None``, and its
     ``EndpointError`` or ``None``. Never raises."""
+    import ray
     results: list = [None] * len(refs)
     errors: list[EndpointError | None] = [None] * len(refs)
     end = time.monotonic() + timeout_s
@@ -70,6 +70,8 @@ def call_all(refs: Sequence, names: Sequence[str], call: str, timeout_s: float) 
 
 def alive(handles: Sequence, timeout_s: float = 5.0) -> list[bool]:
     """Whether each actor still answers a trivial call (a busy threaded actor still does)."""
+    import ray
+    from ray.exceptions import RayActorError
     refs = [h.__ray_ready__.remote() for h in handles]
     out = []
     for ref in refs:

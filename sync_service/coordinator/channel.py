@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from protocols.endpoints import OpenChannel
 from sync_service.coordinator.calls import call_all, settle
 from sync_service.transports import TRANSPORTS, ChannelHost, TransportSpec, host_channel
+from sync_service.transports.spec import resolve_backend
 
 __all__ = ["Channel"]
 
@@ -43,7 +44,8 @@ class Channel:
         timeout = self._config.timeout_s
         spec = TransportSpec(kind=TRANSPORTS[self._config.transport].push, name=f"ws{self.owner}e{self.epoch}",
                              num_senders=len(trainers), num_receivers=len(engines), bucket_bytes=self._bucket_bytes,
-                             connect_timeout_s=timeout, op_timeout_s=timeout, relay=self._config.relay)
+                             connect_timeout_s=timeout, op_timeout_s=timeout, relay=self._config.relay,
+                             backend=resolve_backend(self._config.backend, self._config.device), device=self._config.device)
         self._close_host()
         self._host = host_channel(spec, bind_host=self._config.bind_host, port_range=self._config.port_range)
         raw = self._host.spec.to_bytes()

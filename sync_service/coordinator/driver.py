@@ -30,7 +30,7 @@ from sync_service.coordinator.join import JoinMetrics, peer_copy
 from sync_service.coordinator.membership import Membership
 from sync_service.coordinator.metrics import EngineResult, SyncError, SyncMetrics
 from sync_service.coordinator.modes import MergedMode, SyncMode
-from sync_service.coordinator.planning import check_plan_size, engine_dtypes
+from sync_service.coordinator.planning import check_plan_size, engine_dtypes, scale_companions, with_scales
 from sync_service.coordinator.transfer import GRACE_S, Prepared, Transfer
 from sync_service.coordinator.versions import check_push_version
 from sync_service.security import new_secret
@@ -79,6 +79,7 @@ class Coordinator:
                      ", ".join(f"{n} {a} -> {b}" for (a, b), n in sorted(self.conversions.items())))
         check_plan_size(owned, bucket_bytes=config.bucket_bytes)  # before seconds of splitting
         self._plan = self._mode.build_plan(owned, bucket_bytes=config.bucket_bytes)
+        self._scales = scale_companions(self._plan)  # FP8 tensor → its scales: a delta sends both
         plan_bytes = encode(self._plan)
         check_plan_size(owned, bucket_bytes=config.bucket_bytes, encoded=len(plan_bytes))
         self._channel = Channel(owner=uuid.uuid4().hex[:8], plan_bytes=plan_bytes,
@@ -186,7 +187,8 @@ class Coordinator:
                 self._ensure_open(lost)
                 if not self.members.handles:
                     continue
-                names = self._mode.names(version, changed, changed is None or self.members.needs_full())
+                names = with_scales(self._mode.names(version, changed, changed is None or self.members.needs_full()),
+                                    self._scales)
             except EndpointError as exc:
                 self._forget(version)
                 raise SyncError(f"push({version}) failed before any byte moved: {exc}" + _left(lost), None) from None

@@ -24,6 +24,7 @@ from sync_service.coordinator.metrics import SyncError
 from sync_service.coordinator.planning import validate_plan
 from sync_service.streaming.plan import build_plan
 from sync_service.transports import TRANSPORTS, TransportSpec
+from sync_service.transports.spec import resolve_backend
 
 __all__ = ["JoinMetrics", "peer_plan", "peer_copy"]
 
@@ -70,7 +71,8 @@ def peer_copy(*, joiner, joiner_name: str, joiner_table: Sequence[ParamMeta], pe
     validate_plan(plan, joiner_table, engine=joiner_name)
     spec = TransportSpec(kind=TRANSPORTS[config.transport].join, name=channel, num_senders=1, num_receivers=1,
                          bucket_bytes=plan.bucket_bytes, connect_timeout_s=config.timeout_s,
-                         op_timeout_s=config.timeout_s)
+                         op_timeout_s=config.timeout_s, device=config.device,
+                         backend=resolve_backend(config.backend, config.device))
     raw, plan_bytes, timeout = spec.to_bytes(), encode(plan), config.timeout_s
     opened = joiner.open_transport.remote(OpenChannel(owner=channel, spec=raw, plan=plan_bytes, index=0, secret=secret))
     send = peer.send_weights.remote(ExportRequest(spec=raw, plan=plan_bytes, session=f"{channel}-v{version}",

@@ -11,8 +11,14 @@ twice. Errors list the offending names on both sides.
 holding a tensor holds it in one merge dtype (``protocols.params.MERGE_DTYPES``) other than the trainers' (an
 fp32 trainer, bf16 engines), the plan carries the engines' dtype and the trainers merge in their accumulation
 dtype and cast once into it, straight into the bucket (``MergeConfig.out_dtypes``). One bucket stream serves
-every engine, so engines that hold one tensor in two dtypes are refused (``DtypeConflictError``); a shape,
-an FP8 or an integer dtype that differs is left to ``validate_plan`` to refuse.
+every engine, so engines that hold one tensor in two dtypes are refused (``DtypeConflictError``); a shape
+or an integer dtype that differs is left to ``validate_plan`` to refuse.
+
+Block FP8 (``sync_service.fp8``): a tensor the engines hold as ``float8_e4m3fn`` with its scales beside it is
+sent as FP8 values plus a scale companion box per owned box (``scale_meta``), produced by the rank that owns
+the box (it merges in the accumulation dtype and quantizes per block straight into the bucket). Every owned
+box must start and stop on block edges in its last two dims (``BlockAlignmentError``, naming the tensor, the
+box and the block); a delta sends a changed tensor's scales with its values (``with_scales``).
 """
 
 from __future__ import annotations
@@ -23,10 +29,11 @@ from dataclasses import replace
 
 from protocols.params import DTYPE_BYTES, MERGE_DTYPES, ParamMeta, box_numel
 from protocols.wire import MAX_HEADER_BYTES, MAX_PLAN_ENTRIES, SyncPlan, encode
+from sync_service.fp8 import FP8_WIRE, box_aligned, scale_meta, scale_name, table_blocks
 from sync_service.streaming.plan import build_plan, combine_plans, plan_entries, smallest_bucket_bytes
 
-__all__ = ["DtypeConflictError", "PlanMismatchError", "build_sync_plan", "check_plan_size", "engine_dtypes",
-           "validate_plan"]
+__all__ = ["BlockAlignmentError", "DtypeConflictError", "PlanMismatchError", "build_sync_plan", "check_plan_size",
+           "engine_dtypes", "scale_companions", "validate_plan", "with_scales"]
 
 
 class PlanMismatchError(ValueError):
@@ -72,21 +79,75 @@ class DtypeConflictError(ValueError):
         self.conflicts = {n: dict(d) for n, d in conflicts.items()}
 
 
+class BlockAlignmentError(ValueError):
+    """A trainer box of a tensor an engine serves in block FP8 does not start and stop on block edges; nothing
+    was sent. Attributes: ``name``, ``box``, ``block``."""
+
+    def __init__(self, name: str, box, block: tuple[int, int]):
+        super().__init__(f"{name}: trainer box {list(box)} is not aligned to the engines' FP8 block {list(block)} in "
+                         f"its last two dims; every box must start and stop on multiples of the block (split TP rows "
+                         f"on block multiples, or serve this engine a bf16 checkpoint)")
+        self.name, self.box, self.block = name, box, block
+
+
+def _fp8_boxes(owned: Sequence[Sequence[ParamMeta]], tables: Mapping[str, Sequence[ParamMeta]]
+               ) -> tuple[list[list[ParamMeta]], dict[tuple[str, str], int]]:
+    """``owned`` with every box of a tensor an engine holds in block FP8 retyped to FP8 and followed by its scale
+    box. Raises ``BlockAlignmentError``; ``ValueError`` for a trainer base that is FP8 itself."""
+    blocks: dict[str, tuple[int, int]] = {}
+    for table in tables.values():
+        blocks.update(table_blocks(table))
+    counts: dict[tuple[str, str], int] = defaultdict(int)
+    out: list[list[ParamMeta]] = []
+    for ranks in owned:
+        out.append([])
+        for m in ranks:
+            if m.dtype == FP8_WIRE:
+                raise ValueError(f"trainer base holds {m.name} in {FP8_WIRE} (an FP8 checkpoint under a LoRA): not "
+                                 f"merged (the delta must not be added to FP8 values); start the trainers from the "
+                                 f"bf16/fp32 base, e.g. the FP8 checkpoint loaded with FineGrainedFP8Config("
+                                 f"dequantize=True) and saved with save_pretrained")
+            block = blocks.get(m.name)
+            if block is None:
+                out[-1].append(m)
+                continue
+            if m.dtype not in MERGE_DTYPES or not box_aligned(m.covered_box(), block):
+                raise BlockAlignmentError(m.name, m.covered_box(), block)
+            out[-1] += [replace(m, dtype=FP8_WIRE), scale_meta(m, block)]
+    sent = {m.name: m.dtype for ranks in owned for m in ranks if m.name in blocks}
+    for dtype in sent.values():  # per tensor, not per box
+        counts[(dtype, FP8_WIRE)] += 1
+    return out, dict(counts)
+
+
+def scale_companions(plan: SyncPlan) -> dict[str, str]:
+    """FP8 value name → its scales' name, for the block-FP8 tensors of ``plan``."""
+    names = {e.name for e in plan.entries}
+    return {e.name: scale_name(e.name) for e in plan.entries if e.dtype == FP8_WIRE and scale_name(e.name) in names}
+
+
+def with_scales(names: frozenset[str] | None, companions: Mapping[str, str]) -> frozenset[str] | None:
+    """A push's ``names`` with the scales of every FP8 tensor among them (a delta re-sends both)."""
+    return None if names is None else names | {companions[n] for n in names if n in companions}
+
+
 def engine_dtypes(owned: Sequence[Sequence[ParamMeta]], tables: Mapping[str, Sequence[ParamMeta]]
                   ) -> tuple[list[list[ParamMeta]], dict[tuple[str, str], int]]:
     """``owned`` with each tensor's dtype set to the one its engines hold, where that is a cast the merge makes.
 
     ``owned[rank]``: the trainer ranks' boxes (the base's dtype); ``tables``: engine name → its parameter table.
     A tensor whose engines all hold it in one dtype ``d`` that differs from the trainers' ``t``, with both
-    in ``MERGE_DTYPES`` (float64 / float32 / float16 / bfloat16), is sent as ``d``. Anything else keeps the
-    trainers' dtype, so ``validate_plan`` refuses it by name (a float8 engine needs scales; an integer
-    tensor is never converted).
+    in ``MERGE_DTYPES`` (float64 / float32 / float16 / bfloat16), is sent as ``d``. A tensor held in block FP8
+    with its scales (``sync_service.fp8``) is sent as FP8 plus a scale box per owned box (``_fp8_boxes``).
+    Anything else keeps the trainers' dtype, so ``validate_plan`` refuses it by name (an integer tensor is
+    never converted).
 
     Returns:
         ``(owned with the engines' dtypes, {(from, to): number of tensors converted})``.
 
     Raises:
         DtypeConflictError: a tensor the engines hold in two or more dtypes, naming it, the engines and the dtypes.
+        BlockAlignmentError: a box of an FP8 tensor off the block edges.
     """
     held: dict[str, dict[str, str]] = defaultdict(dict)  # tensor → engine → dtype
     for engine, table in tables.items():
@@ -105,7 +166,8 @@ def engine_dtypes(owned: Sequence[Sequence[ParamMeta]], tables: Mapping[str, Seq
     for name, want in cast.items():
         counts[(sent[name], want)] += 1
     retyped = [[replace(m, dtype=cast[m.name]) if m.name in cast else m for m in ranks] for ranks in owned]
-    return retyped, dict(counts)
+    retyped, fp8 = _fp8_boxes(retyped, tables)
+    return retyped, {**counts, **fp8}
 
 
 def build_sync_plan(owned: Sequence[Sequence[ParamMeta]], *, bucket_bytes: int) -> SyncPlan:

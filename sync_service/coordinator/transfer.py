@@ -14,7 +14,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import ray
 
 from protocols.endpoints import EndpointDiedError, EndpointError, EndpointTimeoutError, SendRequest
 from sync_service.coordinator.calls import endpoint_error, settle
@@ -88,6 +87,8 @@ class Transfer:
 
     def _watch(self, refs: list, names: list[str], calls: list[str]) -> tuple[list, list, list[int]]:
         """Per ref its result and error, and the indices that never answered (deadline: timeout + grace)."""
+        import ray
+
         results: list = [None] * len(refs)
         errors: list = [None] * len(refs)
         pending = {ref: i for i, ref in enumerate(refs)}

@@ -5,7 +5,10 @@ Parameter table: the model's ``named_parameters()`` in the transformers v5 in-me
 persistent buffers (in ``state_dict``, loaded from the checkpoint: DeepSeek's
 ``mlp.gate.e_score_correction_bias``), so a full sync carries everything the checkpoint holds; a delta
 sends only what the adapter changes, never a buffer. Tied weights (``lm_head.weight`` tied to
-``model.embed_tokens.weight``) are reported once, under the name ``named_parameters`` keeps.
+``model.embed_tokens.weight``) are reported once, under the name ``named_parameters`` keeps. Loaded from a
+block-FP8 checkpoint (``quantization_config`` quant_method "fp8"), each quantized parameter is listed as
+``float8_e4m3fn`` plus its float32 scales and served as those bytes; the model computes with a dequantized
+copy refreshed at every sync (``engines/fp8.py``).
 
 Staged apply: ``begin_update(version, names)`` takes one staging buffer per name being updated;
 ``apply`` copies received boxes into staging only; ``finish_update`` checks every staged name was
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +35,7 @@ import torch
 from protocols.interfaces import FinishReport
 from protocols.params import Box, ParamMeta
 from sync_service.dtypes import wire_dtype
+from sync_service.engines.fp8 import Fp8Served, load_fp8_model
 from sync_service.engines.staging import APPLY_CHUNK_BYTES, Staging, privatize_mapped, refusal
 
 __all__ = ["GenerateResult", "HFEngine", "HFEngineConfig", "SampleResult", "load_causal_lm"]
@@ -71,9 +75,10 @@ class SampleResult:
     weight_version: int | None
 
 
-def load_causal_lm(path: str | Path, *, dtype: torch.dtype | None = None) -> torch.nn.Module:
+def load_causal_lm(path: str | Path, *, dtype: torch.dtype | None = None, quantization_config=None) -> torch.nn.Module:
     """Load a transformers causal LM from a local directory of safetensors weights onto CPU, in
     inference mode (``train(False)``). Pickled weights (``pytorch_model.bin``) are never loaded.
+    ``quantization_config``: passed to ``from_pretrained`` (a block-FP8 checkpoint: ``FineGrainedFP8Config(dequantize=True)``).
 
     Raises:
         FileNotFoundError: ``path`` does not exist, or holds no ``*.safetensors`` weights.
@@ -89,6 +94,8 @@ def load_causal_lm(path: str | Path, *, dtype: torch.dtype | None = None) -> tor
         raise FileNotFoundError(f"model directory {str(path)!r} has no *.safetensors weights (pickled .bin weights "
                                 f"are never loaded); re-save it with save_pretrained(..., safe_serialization=True)")
     kwargs = {} if dtype is None else {"dtype": dtype}
+    if quantization_config is not None:
+        kwargs["quantization_config"] = quantization_config
     # the class the checkpoint names (a vision-language MoE is no AutoModelForCausalLM), else the causal-LM auto class
     config = path / "config.json"
     archs = (json.loads(config.read_text()).get("architectures") or []) if config.is_file() else []
@@ -108,7 +115,9 @@ class HFEngine:
     """``protocols.interfaces.ChunkedApply``: ``apply`` copies into staging, so the receiver hashes
     each bucket piece by piece while copying it (one pass over the bucket)."""
 
-    def __init__(self, model: torch.nn.Module, *, config: HFEngineConfig | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, *, config: HFEngineConfig | None = None,
+                 fp8: Mapping[str, torch.Tensor] | None = None) -> None:
+        """``fp8``: FP8 values and scales in hf-fused naming, served in place of those parameters (``load_fp8_model``)."""
         self._model = model.train(False)  # inference mode (dropout off)
         self._config = config or HFEngineConfig()
         self._params: dict[str, torch.Tensor] = dict(model.named_parameters())
@@ -116,17 +125,26 @@ class HFEngine:
         self._params.update((n, b) for n, b in model.state_dict(keep_vars=True).items()
                             if n not in params and not any(b is p for p in self._params.values()))
         privatize_mapped(self._params.values())
-        self._metas = tuple(
-            ParamMeta(name=n, dtype=wire_dtype(p.dtype), shape=tuple(p.shape)) for n, p in self._params.items()
-        )
+        self._fp8 = Fp8Served(fp8 or {}, self._params)
+        self._metas = tuple(row for n, p in self._params.items() for row in self._fp8.metas(n, p))
+        self._held: dict[str, torch.Tensor] = {m.name: self._fp8.tensors.get(m.name, self._params.get(m.name))
+                                               for m in self._metas}
+        """Table name → the served tensor (a parameter, or FP8 values / scales)."""
+        self._dequantized: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()
         self._version: int | None = None
-        self._staging = Staging(lambda n: torch.empty_like(self._params[n].data), "HFEngine")
+        self._staging = Staging(lambda n: torch.empty_like(self._held[n].data), "HFEngine")
         self._finished = False
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype | None = None,
                         config: HFEngineConfig | None = None) -> "HFEngine":
+        """A block-FP8 checkpoint (``quantization_config`` quant_method "fp8") is served as FP8 (``engines/fp8.py``)."""
+        from sync_service.merge.fp8_checkpoint import is_fp8_checkpoint
+
+        if is_fp8_checkpoint(path):
+            model, fp8 = load_fp8_model(path, lambda p, **kw: load_causal_lm(p, dtype=dtype, **kw))
+            return cls(model, config=config, fp8=fp8)
         return cls(load_causal_lm(path, dtype=dtype), config=config)
 
     # -- table and state -------------------------------------------------------------------
@@ -144,7 +162,7 @@ class HFEngine:
         """``(version, clones of the served parameters)`` (``names`` only, when given; unknown ones are
         skipped), read together under the generation lock (no commit in between; allocates)."""
         with self._locked():
-            keep = self._params if names is None else {n: self._params[n] for n in names if n in self._params}
+            keep = self._held if names is None else {n: self._held[n] for n in names if n in self._held}
             return self._version, {n: p.detach().clone() for n, p in keep.items()}
 
     # -- update lifecycle ------------------------------------------------------------------
@@ -155,7 +173,7 @@ class HFEngine:
             RuntimeError: an update is already in progress (call ``commit`` or ``abort`` first).
             KeyError: a name is not in this engine's parameter table.
         """
-        unknown = sorted(set(names) - self._params.keys())
+        unknown = sorted(set(names) - self._held.keys())
         if unknown:
             raise KeyError(f"names not in the engine parameter table: {unknown[:5]} ({len(unknown)} in all)")
         self._staging.begin(version, names)
@@ -164,7 +182,7 @@ class HFEngine:
     def reserve_staging(self, names: Sequence[str]) -> int:
         """Allocate and touch the staging buffers of ``names`` now (``Staging.reserve``), so no sync
         pays first-touch page faults; names outside the table are skipped. Returns bytes allocated."""
-        return self._staging.reserve([n for n in names if n in self._params])
+        return self._staging.reserve([n for n in names if n in self._held])
 
     def release_staging(self) -> int:
         """Free the staging buffers kept for the next sync (``Staging.release``; when the last channel
@@ -182,8 +200,8 @@ class HFEngine:
         self._staging.apply(name, box, data)
 
     def finish_update(self) -> FinishReport:
-        """Check every staged name was covered completely (boxes of one sync are disjoint). No post-load
-        processing: transformers computes from the parameters as they are.
+        """Check every staged name was covered completely (boxes of one sync are disjoint). Post-load
+        processing: the compute copies of staged FP8 tensors are dequantized here (``Fp8Served.dequantized``).
 
         Raises:
             ValueError: a name received fewer or more elements than it holds.
@@ -193,8 +211,10 @@ class HFEngine:
         if self._staging.version is None or self._finished:
             raise RuntimeError("finish_update needs exactly one begin_update before it")
         self._staging.check_complete()
+        self._dequantized = self._fp8.dequantized({n: self._staging.buffer(n) for n in self._staging.names()})
         self._finished = True
-        return FinishReport(tensors=len(self._staging.names()), modules=0, seconds=time.perf_counter() - t0)
+        return FinishReport(tensors=len(self._staging.names()), modules=len(self._dequantized),
+                            seconds=time.perf_counter() - t0)
 
     def commit(self, version: int) -> None:
         """Swap staged buffers into the live parameters under the generation lock.
@@ -209,15 +229,23 @@ class HFEngine:
             raise RuntimeError(refused)
         with self._locked():
             for name, buffer in self._staging.take().items():
+                if name in self._fp8.tensors:  # served FP8 values / scales
+                    self._staging.keep_spare(name, self._fp8.tensors[name])
+                    self._fp8.tensors[name] = self._held[name] = buffer
+                    continue
                 param = self._params[name]
                 self._staging.keep_spare(name, param.data)
                 param.data = buffer
+            for name, compute in self._dequantized.items():
+                self._params[name].data = compute
             self._version = version
+        self._dequantized = {}
         self._finished = False
 
     def abort(self) -> None:
         """Drop staging; the served version is untouched. Idempotent."""
         self._staging.drop()
+        self._dequantized = {}
         self._finished = False
 
     def reset_caches(self) -> None:
@@ -267,7 +295,7 @@ class HFEngine:
         """The served parameters themselves (no copy), for streaming them to a peer engine (a late
         joiner). Read only; they hold the served version until the next ``commit``: the caller must hold off
         syncs while it reads (the coordinator serialises a peer copy with pushes)."""
-        return {n: p.data for n, p in self._params.items()}
+        return {n: t.data for n, t in self._held.items()}
 
     # -- internals -------------------------------------------------------------------------
     def _pad_token_id(self) -> int:

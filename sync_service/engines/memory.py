@@ -5,6 +5,8 @@ A real ``EngineAdapter`` (used by tests and benchmarks) that behaves as the tran
 every sync; never pre-filled from the served values, so a sync must cover every element of every
 tensor it announces, or ``finish_update`` refuses it); ``commit`` swaps staged and served buffers under
 a lock, so readers see either the old or the new version, never a mix. ``abort`` drops the staged state.
+Block FP8 (``from_fp8_checkpoint``): FP8 values and float32 scales are tensors like any other, under the
+table rule of ``sync_service.fp8``; the engine computes nothing, so it keeps no dequantized copy.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import torch
 
@@ -38,6 +41,14 @@ class MemoryEngine:
         self._finished = False
         self._version: int | None = None
         self._lock = threading.Lock()
+
+    @classmethod
+    def from_fp8_checkpoint(cls, path: str | Path) -> "MemoryEngine":
+        """Every tensor of a block-FP8 checkpoint in hf-fused naming: FP8 values, their scales, the rest as stored
+        (``merge.fp8_checkpoint.read_fp8_checkpoint``; raises its ``MergeError``)."""
+        from sync_service.merge.fp8_checkpoint import read_fp8_checkpoint
+
+        return cls(read_fp8_checkpoint(path)[0])
 
     def param_metas(self) -> Sequence[ParamMeta]:
         return list(self._metas)

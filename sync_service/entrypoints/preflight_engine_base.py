@@ -1,6 +1,8 @@
 """``weightsync sync --engine-base DIR``: the checkpoint the engines load must hold the base's tensors, in the
-base's shapes, each in a floating dtype the trainers' merge can cast into (``coordinator.planning.engine_dtypes``).
-Checked from the safetensors headers before Ray starts (no tensor is read); a bad one exits 2 in one line."""
+base's shapes, each in a floating dtype the trainers' merge can cast into (``coordinator.planning.engine_dtypes``),
+or a block-FP8 checkpoint for ``--engine hf`` (``quantization_config`` quant_method "fp8": a quantized tensor is
+float8_e4m3fn in the base's shape with float32 ``*_scale_inv`` of the block grid beside it). Checked from the
+safetensors headers before Ray starts (no tensor is read); a bad one exits 2 in one line."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ from sync_service.entrypoints.preflight import fail
 
 __all__ = ["check_engine_base"]
 
-_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}  # safetensors header names
+_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+           "F8_E4M3": "float8_e4m3fn"}  # safetensors header names
 
 
 def _header_tensors(model_dir: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -34,18 +37,21 @@ def check_engine_base(args: argparse.Namespace, base: Path) -> None:
     engine_base = args.engine_base
     if engine_base is None:
         return
+    config = engine_base / "config.json"
+    quant = (json.loads(config.read_text()).get("quantization_config") or {}) if config.is_file() else {}
+    if quant and args.engine != "hf":
+        fail(args, f"--engine-base {engine_base}: a block-FP8 checkpoint is served by --engine hf only; weightsync "
+                   f"does not load FP8 values and scales into vLLM yet (docs/vllm.md, FP8); give a bf16 checkpoint")
     if args.engine != "hf":
         fail(args, f"--engine-base: supported with --engine hf; --engine {args.engine} engines load --base "
                    f"(an fp32 trainer into a bf16 vLLM server: start the server from the bf16 checkpoint and "
                    f"give its --vllm-url)")
-    config = engine_base / "config.json"
     if not engine_base.is_dir() or not config.is_file():
         fail(args, f"--engine-base {engine_base}: not a model directory (no config.json); give a checkpoint "
                    f"written by save_pretrained")
-    if "quantization_config" in json.loads(config.read_text()):
-        fail(args, f"--engine-base {engine_base}: a quantized checkpoint (quantization_config); engines serving "
-                   f"block FP8 are not synced yet — give a bf16/fp16/fp32 checkpoint")
     ours, theirs = _header_tensors(base), _header_tensors(engine_base)
+    if quant:
+        theirs = _fp8_values(args, engine_base, quant, theirs)
     if set(ours) != set(theirs):
         odd = sorted(set(ours) ^ set(theirs))[0]
         fail(args, f"--engine-base {engine_base}: tensor {odd} is in only one of --base and --engine-base; give "
@@ -55,6 +61,31 @@ def check_engine_base(args: argparse.Namespace, base: Path) -> None:
         if want_shape != shape:
             fail(args, f"--engine-base {engine_base}: {name} is {list(want_shape)} there and {list(shape)} in "
                        f"--base; give the same model (only the dtype may differ)")
-        if want != dtype and not (want in MERGE_DTYPES and dtype in MERGE_DTYPES):
+        if want != dtype and not (want in MERGE_DTYPES and dtype in MERGE_DTYPES) and not (
+                quant and want == "float8_e4m3fn" and dtype in MERGE_DTYPES):
             fail(args, f"--engine-base {engine_base}: {name} is {want} there and {dtype} in --base; only "
                        f"float64/float32/float16/bfloat16 tensors are cast")
+
+
+def _fp8_values(args: argparse.Namespace, engine_base: Path, quant: dict,
+                tensors: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The tensors of a block-FP8 engine base without their scales, each scale checked against the block grid of
+    its values (exits 2 naming the first that is not)."""
+    from sync_service.fp8 import scale_name
+
+    block = quant.get("weight_block_size")
+    if quant.get("quant_method") != "fp8" or not block or quant.get("scale_fmt") not in (None, "float"):
+        fail(args, f"--engine-base {engine_base}: quantization_config {quant} is not served; engines serve block FP8 "
+                   f"(quant_method fp8, weight_block_size, float32 scales), e.g. weightsync merge --quantize fp8")
+    if not any(dtype == "float8_e4m3fn" for dtype, _ in tensors.values()):
+        fail(args, f"--engine-base {engine_base}: quantization_config says fp8 but it holds no float8_e4m3fn tensor; "
+                   f"write it with weightsync merge --quantize fp8")
+    for name, (dtype, shape) in sorted(tensors.items()):
+        if dtype != "float8_e4m3fn":
+            continue
+        grid = (*shape[:-2], shape[-2] // block[0], shape[-1] // block[1]) if len(shape) >= 2 else None
+        got = tensors.get(scale_name(name))
+        if grid is None or shape[-2] % block[0] or shape[-1] % block[1] or got != ("float32", grid):
+            fail(args, f"--engine-base {engine_base}: {name} {list(shape)} needs float32 scales {scale_name(name)} "
+                       f"{list(grid or ())} for blocks {list(block)}, got {got}; write it with weightsync merge --quantize fp8")
+    return {n: t for n, t in tensors.items() if not n.endswith("_scale_inv")}

@@ -37,6 +37,13 @@ class FactorCoordination:
         """Receivers' factor state unknown (start, failure): the next push must be full."""
 
     def build_plan(self, owned: Sequence[Sequence[ParamMeta]], *, bucket_bytes: int) -> SyncPlan:
+        """Raises ValueError for an engine serving block FP8: factors are merged on the engine, which would then
+        have to quantize too; merged mode quantizes on the trainers."""
+        fp8 = next((m.name for ranks in owned for m in ranks if m.dtype == "float8_e4m3fn"), None)
+        if fp8 is not None:
+            raise ValueError(f"SyncConfig.mode={self.policy.mode!r}: the engines serve {fp8} in block FP8; factor "
+                             f"streaming merges on the engine, which does not quantize: use mode='merged' (the "
+                             f"trainers merge and quantize)")
         (costs,) = self._get([self.trainers[0].factor_costs.remote()], "factor_costs")
         self.choice = choose(list(costs), self.policy)
         (raw,) = self._get([self.trainers[0].factor_recipes.remote(sorted(self.choice.factors), self.policy.experts_per_recipe,

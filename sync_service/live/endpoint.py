@@ -21,6 +21,7 @@ from protocols.endpoints import OpenChannel, SendReport, SendRequest, SnapshotRe
 from protocols.params import ParamMeta
 from protocols.wire import SyncPlan
 from protocols.wire_check import decode
+from sync_service.fp8 import table_blocks
 
 __all__ = ["SyncState", "TrainerEndpoint", "plan_dtypes"]
 
@@ -161,6 +162,7 @@ class TrainerEndpoint:
             self.state.merge.check_finite = request.check_finite
             self.state.merge.accumulate_dtype = request.accumulate_dtype
             self.state.merge.out_dtypes = plan_dtypes(plan)  # the engines' dtype of every tensor (cast once)
+            self.state.merge.fp8_blocks = table_blocks(e for e in plan.entries if e.recipe is None)  # block FP8
             source = _TimedSource(self._source_for(version, plan))
         except BaseException:
             self.state.drop_snapshot(version)

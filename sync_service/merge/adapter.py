@@ -95,10 +95,11 @@ def load_adapter(
         hint = " (adapter_model.bin is pickled and is never loaded here)" if (adapter_dir / "adapter_model.bin").exists() else ""
         raise MergeError(f"{adapter_dir}: no adapter_model.safetensors{hint}; save the adapter with safe_serialization=True")
     state_dict = read_safetensors(weights, load_file)
+    try:  # first: an empty file whose config selects nothing in the base is named for that
+        adapter = adapter_from_state_dict(peft_config, state_dict, layout, base_metas, tied_aliases=tied_aliases)
+    except MergeError as exc:
+        raise MergeError(f"{adapter_dir}: {exc}") from None
     if not state_dict:
         raise MergeError(f"{weights}: holds no tensors, so there is nothing to merge; save the trained adapter "
                          f"again (PeftModel.save_pretrained) or sync without --adapter")
-    try:
-        return adapter_from_state_dict(peft_config, state_dict, layout, base_metas, tied_aliases=tied_aliases)
-    except MergeError as exc:
-        raise MergeError(f"{adapter_dir}: {exc}") from None
+    return adapter

@@ -35,7 +35,7 @@ FP8_MIN = torch.finfo(FP8_DTYPE).min
 SCALE_FMTS = ("float", "ue8m0")
 """``FineGrainedFP8Config.scale_fmt`` values: float32 scales, or power-of-two ``float8_e8m0fnu`` scales."""
 
-__all__ = ["FP8_DTYPE", "SCALE_FMTS", "box_aligned", "divides", "quantize_blocks", "scale_dtype", "scale_name",
+__all__ = ["FP8_DTYPE", "SCALE_FMTS", "box_aligned", "dequantize_blocks", "divides", "quantize_blocks", "scale_dtype", "scale_name",
            "scale_shape"]
 
 
@@ -98,3 +98,14 @@ def quantize_blocks(values: torch.Tensor, block: tuple[int, int], scale_fmt: str
     scaled = blocks * scales.unsqueeze(-1).unsqueeze(-3)
     q = torch.clamp(scaled, min=FP8_MIN, max=FP8_MAX).to(FP8_DTYPE).reshape(values.shape)
     return q, inv
+
+
+def dequantize_blocks(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``q`` (float8_e4m3fn ``[.., N, K]``) × its block ``scales`` (``[.., N/bm, K/bn]``) in ``dtype``: the
+    operations of transformers' ``Fp8Dequantize._dequantize_one`` in order (both to float32, one product per
+    element, one cast), so bitwise what ``FineGrainedFP8Config(dequantize=True)`` loads. A new tensor."""
+    rows, cols = q.shape[-2:]
+    scale_rows, scale_cols = scales.shape[-2:]
+    qf = q.to(torch.float32).reshape(-1, scale_rows, rows // scale_rows, scale_cols, cols // scale_cols)
+    sf = scales.to(torch.float32).reshape(-1, scale_rows, scale_cols).unsqueeze(-1).unsqueeze(2)
+    return (qf * sf).to(dtype).reshape(q.shape)

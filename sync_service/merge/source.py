@@ -13,11 +13,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from protocols.params import Box, ParamMeta, box_shape, full_box
+from protocols.params import Box, ParamMeta, box_numel, box_shape, full_box
 from sync_service.dtypes import TORCH_DTYPES
 from sync_service.merge.base import BaseProvider
 from sync_service.merge.errors import MergeError
+from sync_service.fp8 import scale_meta
 from sync_service.merge.finite import all_finite
+from sync_service.merge.fp8_fill import Fp8Fill
 from sync_service.merge.layouts import FamilyLayout
 from sync_service.merge.staging import Scratch, apply_parts, apply_terms, chunks, term_parts
 from sync_service.merge.targets import target_pieces
@@ -43,6 +45,11 @@ class MergeConfig:
     that the per-step Python overhead (~10 torch calls) stays small. On one EP=2 trainer rank's whole
     fill at 1x, 2 MiB took 0.86-0.88 x the CPU time of 1 MiB, 3-4 MiB 0.89 (docs/benchmarks.md, Merge);
     the values are bitwise the same at every tile size."""
+    fp8_blocks: Mapping[str, tuple[int, int]] | None = None
+    """FP8 value name → block ``(bm, bn)``, for the tensors the plan sends in block FP8 (values
+    ``float8_e4m3fn`` in ``out_dtypes`` plus their scales ``sync_service.fp8.scale_name``; set per send by the
+    trainer endpoint from the plan). Each is merged in ``accumulate_dtype`` and quantized per block into the
+    bucket (``merge.fp8_fill``); the source produces the scales' boxes too."""
     check_finite: bool = False
     """Raise ``MergeError`` naming the tensor when a merged value is NaN or Inf (costs one pass)."""
     accumulate_dtype: str = "float32"
@@ -125,6 +132,10 @@ class MergedSource:
             owned = [ParamMeta(m.name, config.out_dtype or m.dtype, m.shape) for m in self._base_metas.values()]
         else:
             check_untied_owned(self.adapter, owned)
+        blocks = dict(config.fp8_blocks or {})
+        if blocks:  # block FP8: each values box is followed by its scales box, as the plan lists them
+            owned = [x for m in owned for x in ([m, scale_meta(m, blocks[m.name])] if m.name in blocks else [m])]
+        self._fp8 = Fp8Fill(blocks, self._merge_box, self._accumulate_of)
         if config.out_dtypes:  # the plan's dtypes (the engines'), cast once from the accumulator or the base
             owned = [replace(m, dtype=config.out_dtypes.get(m.name, m.dtype)) for m in owned]
         self._owned = list(owned)
@@ -133,10 +144,11 @@ class MergedSource:
         for meta in self._owned:
             if not hasattr(torch, meta.dtype) or self._dtypes.setdefault(meta.name, meta.dtype) != meta.dtype:
                 raise MergeError(f"owned boxes of {meta.name} need one torch dtype name, got {meta.dtype!r}")
-            if meta.name not in self._base_metas:
+            if meta.name not in self._base_metas and meta.name not in self._fp8.values_of:
                 raise MergeError(f"owned box names {meta.name}, which is not a base tensor")
             self._boxes.setdefault(meta.name, []).append(meta.covered_box())
         self._scratch = Scratch(config.staging_bytes)
+        self._fp8_scratch = torch.empty(0, dtype=torch.uint8)
 
     @property
     def peak_staging_bytes(self) -> int:
@@ -147,7 +159,8 @@ class MergedSource:
         return list(self._owned)
 
     def changed_names(self) -> frozenset[str]:
-        return self.adapter.changed_names() & frozenset(self._boxes)
+        changed = self.adapter.changed_names() & frozenset(self._boxes)
+        return changed | {s for s, v in self._fp8.values_of.items() if v in changed and s in self._boxes}
 
     def out_dtype(self, name: str) -> torch.dtype:
         """The dtype ``fill`` writes for ``name``: the owned meta's (default: ``out_dtype`` or the base's)."""
@@ -167,6 +180,28 @@ class MergedSource:
             raise MergeError(f"box {box} of {name} is not inside an owned box {self._boxes[name]}")
         if tuple(out.shape) != box_shape(box) or out.dtype != self.out_dtype(name):
             raise MergeError(f"out for {name} {box}: got {out.dtype}{list(out.shape)}, want {self.out_dtype(name)}{list(box_shape(box))}")
+        if name in self._fp8.values_of:
+            self._fp8.fill_scales(name, box, out)
+        elif name in self._fp8.blocks:
+            self._fp8.fill_values(name, box, out)
+        else:
+            self._fill_into(name, box, out)
+
+    def _merge_box(self, name: str, box: Box, dtype: torch.dtype) -> torch.Tensor:
+        """The merged values of ``box`` of ``name`` in ``dtype`` (the accumulation dtype of a block-FP8 tensor), in a
+        scratch reused by the next call."""
+        nbytes = box_numel(box) * dtype.itemsize
+        if self._fp8_scratch.numel() < nbytes:
+            self._fp8_scratch = torch.empty(nbytes, dtype=torch.uint8)
+        merged = self._fp8_scratch[:nbytes].view(dtype).view(box_shape(box))
+        self._fill_into(name, box, merged)
+        return merged
+
+    def _accumulate_of(self, name: str) -> torch.dtype:
+        return self._accumulate(TORCH_DTYPES[self._base_metas[name].dtype])
+
+    def _fill_into(self, name: str, box: Box, out: torch.Tensor) -> None:
+        """``fill``'s merge, ``out`` in any floating dtype (checked by the caller)."""
         adapter = self.adapter
         if name in adapter.dora_magnitudes:
             self._fill_dora(name, box, out)
@@ -181,7 +216,6 @@ class MergedSource:
             _write_rows(override, box, out)
         if overrides:
             self._check(name, out)
-        return None
 
     def _fill_terms(self, name: str, box: Box, out: torch.Tensor, terms) -> None:
         """Per tile: base → fp32 scratch → + its term parts → one cast into ``out``; a tile no term
@@ -255,6 +289,8 @@ class MergedSource:
     def touches(self, name: str, box: Box) -> bool:
         """Whether the adapter changes any value of ``box`` of ``name`` (a term, DoRA or a replacement)."""
         adapter = self.adapter
+        if name in self._fp8.values_of:  # scales change with their values
+            return name in self.changed_names()
         if name in adapter.replacements or name in adapter.dora_magnitudes:
             return True
         (r0, r1) = box[0]

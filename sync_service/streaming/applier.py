@@ -34,7 +34,8 @@ def apply_hashed(adapter: EngineAdapter, payload, entries: tuple[PlanEntry, ...]
     ``entries`` lie in ``payload`` in offset order, disjoint (the plan's layout); the bytes between and
     after them (alignment padding) are hashed too. Blocks; raises what ``adapter.apply`` raises.
     """
-    arr, buf = as_byte_array(payload), as_byte_tensor(payload)
+    buf = as_byte_tensor(payload)
+    arr = buf if buf.device.type != "cpu" else as_byte_array(payload)  # device bytes: hashed via host memory
     running.reset()
     hashed = 0
     for entry in sorted(entries, key=lambda e: e.offset):

@@ -16,6 +16,7 @@ KINDS: dict[str, tuple[str, str, str]] = {
     "shm": ("sync_service.transports.shm", "ShmSender", "ShmReceiver"),
     "ray": ("sync_service.transports.ray_store", "RaySender", "RayReceiver"),
     "torch_dist": ("sync_service.transports.torch_dist", "DistSender", "DistReceiver"),
+    "cuda_ipc": ("sync_service.transports.cuda_ipc", "IpcSender", "IpcReceiver"),
 }
 """``TransportSpec.kind`` → (module, sender class, receiver class); the module is imported on first use."""
 
@@ -39,8 +40,55 @@ TRANSPORTS: dict[str, TransportChoice] = {
     "shm": TransportChoice(push="shm", join="shm"),
     "ray": TransportChoice(push="ray", join="ray", relays=True),
     "torch": TransportChoice(push="torch_dist", join="ray", max_senders=1),
+    "cuda_ipc": TransportChoice(push="cuda_ipc", join="cuda_ipc"),
 }
 """``SyncConfig.transport`` (and the CLIs' ``--transport``) → the spec kinds it uses."""
+
+DEVICES = ("cpu", "cuda")
+"""``TransportSpec.device`` / ``SyncConfig.device`` values: where bucket buffers live (``"cuda"``: the
+process's current CUDA device)."""
+
+AUTO_TRANSPORT: dict[tuple[bool, str], str] = {
+    (True, "cuda"): "cuda_ipc",   # same node, GPU buckets: device slots shared once by CUDA IPC handles
+    (False, "cuda"): "torch",     # other node, GPU buckets: torch.distributed with NCCL
+    (True, "cpu"): "shm",         # same node, CPU buckets: the shared-memory ring (today's default)
+    (False, "cpu"): "ray",        # other node, CPU buckets: the object store (N senders, relays)
+}
+"""(engines on the trainers' node?, bucket device) → the ``SyncConfig.transport`` that fits it best: the one
+table of which transport serves which topology (docs/deploy.md, "GPU set-up")."""
+
+AUTO_BACKEND: dict[str, str] = {"cuda": "nccl", "cpu": "gloo"}
+"""Bucket device → the torch.distributed backend ``backend="auto"`` uses (NCCL moves CUDA tensors, gloo CPU ones)."""
+
+BACKENDS = ("auto", "gloo", "nccl")
+"""``SyncConfig.backend`` values."""
+
+
+def auto_transport(same_node: bool, device: str) -> str:
+    """The ``SyncConfig.transport`` for engines on the trainers' node (``same_node``) or not, with buckets on
+    ``device`` (``"cpu"`` / ``"cuda"``, or ``"cuda:N"``). Raises ValueError naming the device and the fix."""
+    return AUTO_TRANSPORT[(bool(same_node), _device_type(device, "SyncConfig.device"))]
+
+
+def resolve_backend(backend: str, device: str) -> str:
+    """``"gloo"`` / ``"nccl"`` for ``SyncConfig.backend`` (``"auto"``: from ``AUTO_BACKEND``) and buckets on
+    ``device``. Raises ValueError naming the field and the fix (an unknown value; ``"nccl"`` with CPU buckets)."""
+    kind = _device_type(device, "SyncConfig.device")
+    if backend not in BACKENDS:
+        raise ValueError(f"SyncConfig.backend={backend!r}; use one of {BACKENDS} ('auto': nccl for CUDA buckets, "
+                         f"gloo otherwise)")
+    if backend == "nccl" and kind != "cuda":
+        raise ValueError("SyncConfig.backend='nccl' moves CUDA tensors only, but SyncConfig.device="
+                         f"{device!r}; set device='cuda', or backend='gloo' / 'auto'")
+    return AUTO_BACKEND[kind] if backend == "auto" else backend
+
+
+def _device_type(device: str, field_name: str) -> str:
+    """``"cpu"`` / ``"cuda"`` for a device string; ValueError naming ``field_name`` otherwise."""
+    kind = device.split(":", 1)[0] if isinstance(device, str) else None
+    if kind not in DEVICES or (kind == "cpu" and device != "cpu") or (":" in device and not device.split(":", 1)[1].isdigit()):
+        raise ValueError(f"{field_name}={device!r}; use 'cpu', 'cuda' or 'cuda:N'")
+    return kind
 
 RELAYS = ("auto", "direct", "chain")
 """``TransportSpec.relay`` / ``SyncConfig.relay`` values."""
@@ -49,7 +97,8 @@ RELAYS = ("auto", "direct", "chain")
 @dataclass(kw_only=True, slots=True)
 class TransportSpec:
     kind: str
-    """Transport: ``"shm"`` (same host), ``"ray"`` (object store), ``"torch_dist"`` (gloo/NCCL broadcast)."""
+    """Transport: ``"shm"`` (same host), ``"ray"`` (object store), ``"torch_dist"`` (gloo/NCCL broadcast),
+    ``"cuda_ipc"`` (same host, device slots shared by IPC handles)."""
     name: str
     """Unique channel name: shm segment prefix, Ray actor name prefix, TCPStore key prefix."""
     num_senders: int = 1
@@ -74,7 +123,11 @@ class TransportSpec:
     """``torch_dist``: key a process must prove to the rendezvous store (HMAC challenge); random per
     spec, so only the processes handed this spec can join the channel. Never printed."""
     backend: str = "gloo"
-    """``torch_dist``: ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors)."""
+    """``torch_dist``: ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors); ``resolve_backend`` turns
+    ``SyncConfig.backend`` (``"auto"`` too) into one of them."""
+    device: str = "cpu"
+    """``cuda_ipc``: where the sender's bucket slots live, allocated once and shared once: ``"cuda"`` /
+    ``"cuda:N"`` (a CUDA IPC handle per slot), or ``"cpu"`` (the same class over torch's shared memory)."""
     op_timeout_s: float = 60.0
     """``torch_dist``: timeout of one collective, seconds (a dead peer fails within it)."""
     relay: str = "auto"
@@ -101,6 +154,7 @@ class TransportSpec:
             raise ValueError(f"TransportSpec.relay={self.relay!r}; use one of {RELAYS}")
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"TransportSpec.backend={self.backend!r}; use 'gloo' or 'nccl'")
+        _device_type(self.device, "TransportSpec.device")
 
     def to_bytes(self) -> bytes:
         return msgpack.packb({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})

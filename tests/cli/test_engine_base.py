@@ -36,7 +36,8 @@ def files(tmp_path_factory) -> dict[str, Path]:
 @pytest.mark.parametrize("case, extra, message", [
     ("other size", ("--engine-base", "{other}"), "lm_head.weight is [64, 32] there and [64, 16] in --base; give the same model"),
     ("not a model", ("--engine-base", "{root}"), "not a model directory (no config.json)"),
-    ("quantized", ("--engine-base", "{quantized}"), "a quantized checkpoint (quantization_config)"),
+    ("fp8 without fp8 tensors", ("--engine-base", "{quantized}"), "says fp8 but it holds no float8_e4m3fn tensor"),
+    ("fp8 into vllm", ("--engine-base", "{quantized}", "--engine", "vllm"), "block-FP8 checkpoint is served by --engine hf only"),
     ("vllm", ("--engine-base", "{bf16}", "--engine", "vllm"), "supported with --engine hf"),
 ])
 def test_a_bad_engine_base_is_refused_before_ray(files, capsys, case, extra, message):

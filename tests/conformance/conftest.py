@@ -7,13 +7,22 @@ import uuid
 
 import pytest
 import ray
+import torch
 
 from sync_service.transports import TransportSpec, host_channel, open_sender
 from tests.conformance.peers import EnginePeer
 from tests.ray_session import local_ray
 
-KINDS = ["shm", "ray", "torch_dist"]
+KINDS = ["shm", "ray", "torch_dist", "cuda_ipc-cpu", "cuda_ipc", "torch_dist-nccl"]
+"""Transport ids: a spec kind, optionally ``-<variant>``: ``cuda_ipc`` (slots on the GPU) and ``torch_dist-nccl``
+are collected everywhere and skipped at run time without CUDA; ``cuda_ipc-cpu`` is the same IPC class over
+CPU shared memory."""
 BUCKET_BYTES = 4096
+_VARIANTS: dict[str, dict] = {
+    "cuda_ipc-cpu": {"kind": "cuda_ipc", "device": "cpu"},
+    "cuda_ipc": {"kind": "cuda_ipc", "device": "cuda"},
+    "torch_dist-nccl": {"kind": "torch_dist", "backend": "nccl", "device": "cuda"},
+}
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +41,11 @@ def engines(ray_cluster):
 
 
 def make_spec(kind: str, num_receivers: int = 1, num_senders: int = 1, **kw) -> TransportSpec:
-    return TransportSpec(kind=kind, name="c" + uuid.uuid4().hex[:10], num_receivers=num_receivers,
+    """A spec of transport id ``kind`` (``KINDS``); skips the test when the id needs CUDA and there is none."""
+    variant = dict(_VARIANTS.get(kind, {"kind": kind}))
+    if variant.get("device") == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    return TransportSpec(**variant, name="c" + uuid.uuid4().hex[:10], num_receivers=num_receivers,
                          num_senders=num_senders, bucket_bytes=BUCKET_BYTES, max_header_bytes=64 << 10,
                          connect_timeout_s=30.0, op_timeout_s=30.0, **kw)
 

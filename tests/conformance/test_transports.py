@@ -213,7 +213,7 @@ def test_sender_dies_receiver_fails_within_timeout(engines, kind):
         host.close()
 
 
-@pytest.mark.parametrize("kind", ["shm", "ray"])
+@pytest.mark.parametrize("kind", ["shm", "ray", "cuda_ipc-cpu", "cuda_ipc"])
 def test_two_senders_one_receiver(engines, kind):
     ch = Channel(make_spec(kind, num_senders=2), engines[:1])
     try:

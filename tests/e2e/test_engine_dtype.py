@@ -59,12 +59,16 @@ def test_engines_disagreeing_on_a_dtype_are_refused_by_name():
     assert err.value.conflicts == {NORM: {"a": "bfloat16", "b": "float16"}}
 
 
+def test_fp8_without_its_scales_is_refused_by_name():
+    with pytest.raises(ValueError, match=f"{NORM} is float8_e4m3fn\\[6\\]; an engine serving block FP8 lists its scales"):
+        engine_dtypes(owned(), {"e0": table(**{NORM: ParamMeta(NORM, "float8_e4m3fn", (6,))})})
+
+
 @pytest.mark.parametrize("override,needle", [
     ({NORM: ParamMeta(NORM, "bfloat16", (7,))}, f"{NORM}: sent bfloat16[6] vs engine bfloat16[7]"),  # cast, then refused
-    ({NORM: ParamMeta(NORM, "float8_e4m3fn", (6,))}, f"{NORM}: sent float32[6] vs engine float8_e4m3fn[6]"),  # needs scales
     ({IDS: ParamMeta(IDS, "int32", (6,))}, f"{IDS}: sent int64[6] vs engine int32[6]"),  # integers are never cast
 ])
-def test_shape_fp8_and_integer_mismatches_are_still_refused(override, needle):
+def test_shape_and_integer_mismatches_are_still_refused(override, needle):
     retyped, _ = engine_dtypes(owned(), {"e0": table(**override)})
     with pytest.raises(PlanMismatchError) as err:
         validate_plan(build_sync_plan(retyped, bucket_bytes=4096), table(**override), engine="e0")

@@ -1,0 +1,179 @@
+"""Serving in the engine's precision, block FP8: trainers merge and quantize, an HF engine serves FP8 + scales.
+
+EP=2 trainers (fp32 and bf16 bases) sync into an HF engine loaded from a block-FP8 checkpoint (16×16 blocks):
+a full push, then a delta after ``train_step``. The reference of a version is transformers' own
+``Fp8Quantize`` of PEFT's float64 merge of that version's adapter (the unquantized tensors: that merge cast
+once to bf16), written as a checkpoint: with float64 accumulation the engine's served FP8 bytes and scales
+are that reference bit for bit and its greedy tokens equal a fresh HF engine's on it (transformers'
+``FineGrainedFP8Config(dequantize=True)`` load); with fp32 accumulation >= 99.9 % of FP8 bytes are equal and
+none is more than one FP8 step away. One Ray session.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+from safetensors.torch import load_file, save_file
+
+from protocols.params import ParamMeta
+from sync_service.api import SyncConfig, WeightSync
+from sync_service.coordinator.planning import BlockAlignmentError, engine_dtypes
+from sync_service.entrypoints.local import AdapterReplay
+from sync_service.merge.export import merge_checkpoint
+from sync_service.merge.export_fp8 import Fp8Options, quantized_names
+from sync_service.merge.fp8_checkpoint import read_fp8_checkpoint
+from sync_service.merge.quantize import divides
+from sync_service.synthetic import make_adapter, make_base
+from sync_service.verify.peft_oracle import peft_merged_model
+from tests.merge.test_quantize_fp8 import transformers_quantize
+
+BLOCK = (16, 16)
+FP8 = torch.float8_e4m3fn
+SIZES = dict(hidden=32, intermediate=32, num_experts=4, vocab_size=64, num_layers=1)
+PROMPT = [1, 5, 9, 13, 17, 21]
+
+
+# -- planning (pure) ------------------------------------------------------------------------------
+def test_a_box_off_the_block_edges_is_refused_naming_tensor_box_and_block():
+    q = "model.layers.0.self_attn.q_proj.weight"
+    table = [ParamMeta(q, "float8_e4m3fn", (32, 32)), ParamMeta(q + "_scale_inv", "float32", (2, 2))]
+    owned = [[ParamMeta(q, "bfloat16", (32, 32), ((0, 8), (0, 32)))], [ParamMeta(q, "bfloat16", (32, 32), ((8, 32), (0, 32)))]]
+    with pytest.raises(BlockAlignmentError, match=r"q_proj.weight: trainer box \[\(0, 8\), \(0, 32\)\] is not aligned "
+                                                  r"to the engines' FP8 block \[16, 16\]"):
+        engine_dtypes(owned, {"e0": table})
+    aligned = [[ParamMeta(q, "bfloat16", (32, 32), ((0, 16), (0, 32)))], [ParamMeta(q, "bfloat16", (32, 32), ((16, 32), (0, 32)))]]
+    retyped, conversions = engine_dtypes(aligned, {"e0": table})
+    assert conversions == {("bfloat16", "float8_e4m3fn"): 1}
+    assert [(m.name, m.dtype, m.box) for m in retyped[1]] == [
+        (q, "float8_e4m3fn", ((16, 32), (0, 32))), (q + "_scale_inv", "float32", ((1, 2), (0, 2)))]
+    with pytest.raises(ValueError, match="an FP8 checkpoint under a LoRA"):
+        engine_dtypes([[ParamMeta(q, "float8_e4m3fn", (32, 32))]], {"e0": table})
+
+
+# -- end to end --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fp8")
+    out = {"root": root}
+    for dtype in ("bfloat16", "float32"):
+        base = make_base("qwen3_moe", root / f"base-{dtype}", dtype=dtype, **SIZES)
+        out[dtype] = (base, make_adapter("qwen3_moe", base, root / f"lora-{dtype}", kind="target_parameters", r=4,
+                                         lora_alpha=16, init_scale=0.3, seed=1))
+    base = out["bfloat16"][0]  # the engine starts from another adapter's FP8 merge: a full sync must replace it all
+    other = make_adapter("qwen3_moe", base, root / "lora-other", kind="target_parameters", r=4, init_scale=0.3, seed=7)
+    merge_checkpoint(base, other, root / "engine", quantize="fp8", fp8=Fp8Options(weight_block_size=BLOCK), progress=False)
+    out["engine"] = root / "engine"
+    return out
+
+
+def reference(files, base: Path, adapter: Path, out: Path) -> Path:
+    """transformers' Fp8Quantize of PEFT's float64 merge (bf16 elsewhere), as a checkpoint with the engine's config."""
+    peft_merged_model(base, adapter, dtype=torch.float64).save_pretrained(str(out / "peft64"))
+    peft64 = load_file(str(out / "peft64" / "model.safetensors"))
+    quantized = {k for k, t in load_file(str(files["engine"] / "model.safetensors")).items() if t.dtype == FP8}
+    tensors = {}
+    for key, t in peft64.items():
+        tensors |= transformers_quantize(key, t.float(), BLOCK, "float") if key in quantized else {key: t.to(torch.bfloat16)}
+    (out / "ref").mkdir()
+    for f in files["engine"].iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, out / "ref" / f.name)
+    save_file(tensors, str(out / "ref" / "model.safetensors"), metadata={"format": "pt"})
+    return out / "ref"
+
+
+def fp8_steps(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    def ordinal(t):
+        code = t.contiguous().view(torch.uint8).to(torch.int32)
+        return torch.where(code >= 128, -(code - 128), code)
+    return (ordinal(got) - ordinal(want)).abs()
+
+
+def served(engine) -> dict[str, torch.Tensor]:
+    from sync_service.dtypes import TORCH_DTYPES
+
+    sw = ray.get(engine.served_weights.remote(None, True))
+    return {t.name: torch.frombuffer(bytearray(t.values), dtype=TORCH_DTYPES[t.dtype]).reshape(t.shape) for t in sw.tensors}
+
+
+def check(got: dict, want: dict, bitwise: bool, what: str) -> None:
+    assert got.keys() == want.keys(), what
+    equal = total = 0
+    for name, w in want.items():
+        g = got[name]
+        assert g.dtype == w.dtype, (what, name)
+        if bitwise:
+            assert torch.equal(g.view(torch.uint8), w.contiguous().view(torch.uint8)), f"{what}: {name} not bitwise"
+        elif w.dtype == FP8:
+            steps = fp8_steps(g, w)
+            assert int(steps.max()) <= 1, f"{what}: {name} more than one FP8 step away"
+            equal, total = equal + int((steps == 0).sum()), total + steps.numel()
+        elif name.endswith("_scale_inv"):
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=0, msg=f"{what}: {name}")  # amax a float32 ulp or two away
+        else:  # one bf16 rounding of the fp32 sum
+            torch.testing.assert_close(g.float(), w.float(), rtol=2**-7, atol=0, msg=f"{what}: {name}")
+    assert bitwise or equal / total >= 0.999, f"{what}: {equal}/{total} FP8 bytes equal"
+
+
+@pytest.fixture(scope="module")
+def engine(ray_local, files):
+    from actors.launch import start_engines
+
+    (e,) = start_engines(files["engine"], 1, prefix="fp8-")
+    yield e
+    ray.kill(e)
+
+
+def test_the_engine_serves_fp8_where_transformers_quantizes(files, engine):
+    import json
+
+    config = json.loads((files["engine"] / "config.json").read_text())
+    table = ray.get(engine.param_metas.remote())
+    shapes = {m.name: m.shape for m in table}
+    fp8 = {m.name for m in table if m.dtype == "float8_e4m3fn"}
+    want = {n for n in quantized_names(config, Fp8Options(weight_block_size=BLOCK)) if n in shapes and divides(shapes[n], BLOCK)}
+    assert fp8 == want and len(fp8) == 6, sorted(fp8)  # q/k/v/o + fused experts gate_up / down
+    assert {m.name: (m.dtype, m.shape) for m in table if m.name.endswith("_scale_inv")} == {
+        n[:-7] + ".weight_scale_inv" if n.endswith(".weight") else n + "_scale_inv":
+            ("float32", (*shapes[n][:-2], shapes[n][-2] // 16, shapes[n][-1] // 16)) for n in fp8}
+
+
+@pytest.mark.parametrize("dtype, accumulations", [("bfloat16", ("float64",)), ("float32", ("float64", "float32"))])
+def test_ep2_trainers_sync_fp8_full_then_delta(files, engine, tmp_path, dtype, accumulations):
+    from actors.launch import start_trainers
+    from sync_service.engines.hf import HFEngine
+
+    base, adapter = files[dtype]
+    trainers = start_trainers(base, adapter, ep=2)
+    replay, v = AdapterReplay(adapter), 0
+    try:
+        for accumulate in accumulations:
+            sync = WeightSync(trainers=trainers, engines=[engine], config=SyncConfig(
+                transport="shm", bucket_bytes=4 << 10, timeout_s=90, reset_versions=True, accumulate_dtype=accumulate))
+            try:
+                assert sync.dtype_conversions[(dtype, "float8_e4m3fn")] == 6
+                for full in (True, False):
+                    if not full:
+                        ray.get([t.train_step.remote(v) for t in trainers])
+                        replay.step(v)
+                    m = sync.push(v)
+                    assert m.full == full and all(e.committed for e in m.engines)
+                    ref = reference(files, base, replay.save(tmp_path / f"a{v}"), tmp_path / f"v{v}")
+                    what = f"{dtype} base, accumulate {accumulate}, version {v}"
+                    check(served(engine), read_fp8_checkpoint(ref)[0], accumulate == "float64", what)
+                    if accumulate == "float64":
+                        fresh = HFEngine.from_pretrained(ref).generate(PROMPT, 8).tokens
+                        assert ray.get(engine.generate.remote(PROMPT, 8))[0] == fresh, what
+                    v += 1
+            finally:
+                sync.close()
+        with pytest.raises(ValueError, match="factor streaming merges on the engine"):
+            WeightSync(trainers=trainers, engines=[engine], config=SyncConfig(transport="shm", mode="factors",
+                                                                              reset_versions=True))
+    finally:
+        for t in trainers:
+            ray.kill(t)
