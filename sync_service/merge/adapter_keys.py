@@ -29,15 +29,15 @@ import torch
 
 from protocols.params import FLOAT_DTYPES, ParamMeta
 from sync_service.merge.adapter_contract import check_config
+from sync_service.merge.adapter_tokens import TOKENS_DELTA, add_token_rows
 from sync_service.merge.errors import MergeError
 from sync_service.merge.finite import all_finite
 from sync_service.merge.layouts import FamilyLayout
 from sync_service.merge.targets import target_pieces
-from sync_service.merge.terms import LoraAdapter, LoraTerm, RowOverride, sel_len
+from sync_service.merge.terms import LoraAdapter, LoraTerm, sel_len
 
 _PREFIX = "base_model.model."
 _LORA_PARTS = ("lora_A.weight", "lora_B.weight", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
-_TOKENS_DELTA = ".token_adapter.trainable_tokens_delta"  # PEFT TrainableTokensWrapper's saved rows
 _NON_LORA = ("hada_", "lokr_", "ia3_", "oft_", "boft_", "vera_", "fourierft_", "lora_E", "ranknum")
 
 
@@ -141,20 +141,6 @@ def normalise(config, state_dict, layout: FamilyLayout, base_metas, tied: dict[s
         ctx.replacement(name, t)
     ctx.check_weight_tying()
     return out
-
-
-def _token_indices(config, module: str) -> list[int]:
-    """The ``trainable_token_indices`` of ``module``: a list names the input embedding; a dict maps a
-    layer name to its ids, matched as PEFT's ``_set_trainable`` does (``module.endswith(layer)``)."""
-    spec = getattr(config, "trainable_token_indices", None)
-    if isinstance(spec, dict):
-        matches = [ids for layer, ids in spec.items() if module.endswith(layer)]
-        spec = matches[0] if len(matches) == 1 else None
-    if not isinstance(spec, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in spec):
-        raise MergeError(f"adapter module {module}: holds trainable_tokens_delta but adapter_config "
-                         f"trainable_token_indices {getattr(config, 'trainable_token_indices', None)!r} gives no list "
-                         f"of token ids for it; save the adapter_config with the indices it was trained with")
-    return list(spec)
 
 
 class _Ctx:
@@ -350,8 +336,8 @@ class _Ctx:
         self.add(meta.name, term)
 
     def replacement(self, name: str, t: torch.Tensor) -> None:
-        if name.endswith(_TOKENS_DELTA):
-            return self.trainable_tokens(name.removesuffix(_TOKENS_DELTA), t)
+        if name.endswith(TOKENS_DELTA):
+            return self.trainable_tokens(name.removesuffix(TOKENS_DELTA), t)
         # PEFT saves targeted embedding layers as <module>.base_layer.weight and loads them as the base
         plain = self.layout.from_disk(name.replace(".base_layer.", "."))
         if not name.endswith(".base_layer.weight") and self.untie(plain, t):
@@ -368,39 +354,8 @@ class _Ctx:
         self.out.replacements[target] = t
 
     def trainable_tokens(self, module: str, t: torch.Tensor) -> None:
-        """``<module>.token_adapter.trainable_tokens_delta`` [n, H]: PEFT trainable tokens
-        (``trainable_token_indices``), merged as ``W.index_copy(0, indices, delta)`` — the saved rows
-        replace the base's (``peft/tuners/trainable_tokens/layer.py`` ``merge``). On a tied pair either
-        name writes the one shared tensor, as PEFT's merge does."""
-        target = self.resolve(module + ".weight")
-        if target is None:
-            raise MergeError(f"adapter key {module}{_TOKENS_DELTA}: trainable_token_indices rows for {module}, which "
-                             f"has no base tensor {module}.weight; the adapter was trained on a different model")
-        meta = self.metas[target]
-        _check_float_base(module, meta)
-        indices = _token_indices(self.config, module)
-        key = f"{module}{_TOKENS_DELTA}"
-        if not t.is_floating_point() or t.dim() != 2 or tuple(t.shape) != (len(indices), meta.shape[-1]) or len(meta.shape) != 2:
-            raise MergeError(f"adapter key {key}: {str(t.dtype).removeprefix('torch.')}{list(t.shape)} does not fit "
-                             f"{len(indices)} trainable_token_indices rows of {target} {list(meta.shape)}; the "
-                             f"adapter_config does not describe these weights")
-        bad = [i for i in indices if not 0 <= i < meta.shape[0]]
-        if bad or len(set(indices)) != len(indices):
-            raise MergeError(f"adapter_config trainable_token_indices for {module}: "
-                             + (f"ids {bad[:4]} outside [0, {meta.shape[0]})" if bad else "repeated ids")
-                             + f" of {target} {list(meta.shape)}; fix trainable_token_indices")
-        if not all_finite(t):
-            raise MergeError(f"adapter key {key}: holds NaN or Inf values; the adapter is corrupt or training diverged")
-        if target in self.out.terms or target in self.out.dora_magnitudes:
-            raise MergeError(f"adapter module {module}: LoRA and trainable_token_indices on the same tensor {target} "
-                             f"are not merged here; train the tokens on a module without LoRA, or merge with PEFT")
-        self.refuse_rows_and_copy(target, rows=True)
-        held = self.out.row_overrides.setdefault(target, [])
-        taken = set().union(*(o.indices.tolist() for o in held)) & set(indices)
-        if taken:
-            raise MergeError(f"adapter module {module}: trainable_token_indices rows {sorted(taken)[:4]} of {target} are "
-                             f"trained twice (tied names); PEFT only merges disjoint token ids — fix trainable_token_indices")
-        held.append(RowOverride(torch.tensor(indices, dtype=torch.int64), t))
+        """PEFT trainable tokens of ``module`` (``adapter_tokens.add_token_rows``)."""
+        add_token_rows(self, module, t)
 
     def refuse_rows_and_copy(self, target: str, *, rows: bool = False) -> None:
         """Refuse trainable tokens and a trained copy (modules_to_save) on one tensor or tied pair: PEFT

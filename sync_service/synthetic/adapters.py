@@ -108,11 +108,9 @@ def make_adapter(
             dropped (PEFT has neither for parameter targets).
         save_embedding_layers: as PEFT's ``save_pretrained``; ``True`` also stores the (unchanged)
             ``lm_head`` / ``embed_tokens`` base weights when those are LoRA targets.
-        trainable_token_indices: as PEFT's ``LoraConfig`` (trainable token rows; saved rows get
-            ``init_scale·N`` added).
-        vocab_size: ``resize_token_embeddings(vocab_size)`` on the base before ``get_peft_model`` (a
-            vocabulary grown for new tokens; new rows from the model's own init, ``mean_resizing=False``).
-            Save the embeddings with ``save_embedding_layers`` or ``modules_to_save``.
+        trainable_token_indices: as PEFT's ``LoraConfig`` (saved rows get ``init_scale·N`` added).
+        vocab_size: resize the base's embeddings to it before ``get_peft_model`` (``_load_resized``);
+            save them with ``save_embedding_layers`` or ``modules_to_save``.
         seed, init_scale: factors are ``init_scale·N(0, 1)`` from a generator seeded with ``seed``.
 
     Raises:
@@ -133,15 +131,21 @@ def make_adapter(
         return out
     from peft import get_peft_model
 
-    model = _load_base(base)
-    if vocab_size is not None:
-        with torch.random.fork_rng():  # the new rows: the model's own init, reproducible, the caller's RNG untouched
-            torch.manual_seed(seed)
-            model.resize_token_embeddings(vocab_size, mean_resizing=False)
-    peft_model = get_peft_model(model, config)
+    peft_model = get_peft_model(_load_resized(base, vocab_size, seed), config)
     _randomize_adapter_(peft_model, seed=seed, init_scale=init_scale)
     peft_model.save_pretrained(str(out), save_embedding_layers=save_embedding_layers)
     return out
+
+
+def _load_resized(base: Path, vocab_size: int | None, seed: int):
+    """``_load_base``, with ``resize_token_embeddings(vocab_size)`` when given: the new rows from the model's
+    own init (``mean_resizing=False``), reproducible from ``seed``, the caller's RNG untouched."""
+    model = _load_base(base)
+    if vocab_size is not None:
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            model.resize_token_embeddings(vocab_size, mean_resizing=False)
+    return model
 
 
 def _check_legacy(spec: FamilySpec, family: str, *, use_dora: bool, modules_to_save, lora_bias: bool) -> None:
