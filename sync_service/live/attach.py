@@ -1,7 +1,7 @@
 """``attach_trainer``: embed a weight-sync endpoint in a training rank, over its live PEFT model.
 
     # on every training rank, inside the Ray actor that runs it, after wrapping the model:
-    handle = attach_trainer(peft_model)                     # plain, DDP or FSDP2 (fully_shard)
+    handle = attach_trainer(peft_model)                     # plain, DDP, FSDP2 / HSDP / FSDP2 x TP (DTensors)
     handle = attach_trainer(peft_model, expert_range=(e0, e1))   # expert parallel: this rank's experts
     # the driver: WeightSync(trainers=[handles in rank order], engines=..., config=...)
 
@@ -39,8 +39,9 @@ def attach_trainer(model, *, group=None, expert_range: tuple[int, int] | None = 
     """Attach a weight-sync endpoint to this training rank's live PEFT LoRA model; returns its handle.
 
     Args:
-        model: the ``peft.PeftModel`` being trained (a DDP wrapper of it, or one ``fully_shard`` sharded
-            with DTensor ``(Shard(0),)`` parameters on a 1-D mesh of all ranks). Read in place, never written.
+        model: the ``peft.PeftModel`` being trained (a DDP wrapper of it, or one whose parameters are
+            DTensors on any mesh of the job's ranks: FSDP2 ``fully_shard`` on any dim, HSDP, FSDP2 × TP
+            ``parallelize_module``; ``placement.py``). Read in place, never written.
         group: process group for weightsync's own collectives (factor gathers); ``None``: a new gloo group
             over all ranks, so the training group's collectives never interleave with a sync.
         expert_range: ``(e0, e1)``, the global experts this rank's module holds under expert parallelism
@@ -52,7 +53,8 @@ def attach_trainer(model, *, group=None, expert_range: tuple[int, int] | None = 
     Must run inside a Ray actor that accepts concurrent calls (see ``handle.py``).
 
     Raises:
-        TypeError: not a PEFT model. AttachError: a bad adapter name, a sharding the endpoint cannot read,
+        TypeError: not a PEFT model. AttachError: a bad adapter name, a placement the endpoint cannot read
+            (``Partial``, strided rows: named),
             an ``expert_range`` that is not two ints ``0 <= e0 < e1``, expert ranges that do not tile the
             experts, or ranks that disagree — on every rank; a ``timeout_s`` that is not finite and > 0.
         RuntimeError: not inside a Ray actor.

@@ -2,8 +2,9 @@
 
 Which global boxes a rank holds and produces (every element is produced by exactly one rank):
 
-- ``DTensor`` ``(Shard(0),)`` on a 1-D mesh (FSDP2 ``fully_shard``): the rows it holds, from the
-  DTensor's own placement arithmetic (``compute_local_shape_and_global_offset``, as DCP uses);
+- a ``DTensor`` on any mesh (FSDP2, HSDP, FSDP2 × TP, ``Shard(d)`` on any dim): the box it holds, from
+  the DTensor's own placements (``placement.py``: ``compute_local_shape_and_global_offset``, as DCP
+  uses); replicas along ``Replicate`` axes split their common box by rows (``placement.sent_box``);
 - a fused expert tensor ``[E_local, ...]`` of an expert-parallel rank (``expert_range=(e0, e1)``):
   global experts ``[e0, e1)`` of the ``[E, ...]`` tensor;
 - any other plain tensor is replicated (one process, DDP, the non-expert part under EP): rank k of
@@ -21,6 +22,7 @@ import torch
 
 from protocols.params import ParamMeta
 from sync_service.dtypes import wire_dtype
+from sync_service.live.placement import dtensor_box, sent_box
 from sync_service.merge.layouts import expert_names
 from sync_service.sharding.base import LocalShard, ShardedBase
 from sync_service.sharding.rules import Piece
@@ -47,23 +49,15 @@ def _whole(shape: tuple[int, ...], rows: tuple[int, int]) -> tuple[tuple[int, in
     return (rows,) + tuple((0, n) for n in shape[1:])
 
 
-def _dtensor_shard(name: str, dt) -> LocalShard:
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    if dt.device_mesh.ndim != 1 or tuple(dt.placements) != (Shard(0),):
-        raise ValueError(f"attach_trainer: {name} is a DTensor placed {tuple(dt.placements)} on a "
-                         f"{dt.device_mesh.ndim}-D mesh; the endpoint reads (Shard(0),) on a 1-D mesh (FSDP2 "
-                         f"fully_shard) — shard with fully_shard, or gather it to a plain tensor")
-    shape = tuple(dt.shape)
-    local_shape, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
-    meta = ParamMeta(name=name, dtype=wire_dtype(dt.dtype), shape=shape)
+def _dtensor_shard(name: str, dt, ranks: list[int]) -> LocalShard:
+    """The rank's box of a DTensor on any mesh (``placement.py``); a piece only where this rank sends it."""
+    box = dtensor_box(name, dt, ranks)
+    sent = sent_box(dt, box, ranks)
+    meta = ParamMeta(name=name, dtype=wire_dtype(dt.dtype), shape=tuple(dt.shape))
     pieces: tuple[Piece, ...] = ()
-    if shape and local_shape[0] > 0:
-        rows = local_shape[0]
-        pieces = (Piece(global_box=_whole(shape, (offset[0], offset[0] + rows)), local_box=_whole(shape, (0, rows))),)
-    elif not shape and dt.device_mesh.get_local_rank() == 0:
-        pieces = (Piece(global_box=(), local_box=()),)
+    if sent is not None:
+        local = tuple((a - a0, b - a0) for (a, b), (a0, _) in zip(sent, box))
+        pieces = (Piece(global_box=sent, local_box=local),)
     return LocalShard(meta=meta, local=dt.to_local().detach(), pieces=pieces, owned=True)
 
 
@@ -88,17 +82,20 @@ def _replicated_shard(name: str, t: torch.Tensor, rank: int, world: int) -> Loca
     return LocalShard(meta=meta, local=t.detach(), pieces=pieces, owned=True)
 
 
-def live_base(params, *, layout, tied_aliases, rank: int, world: int, experts: ExpertBlock | None) -> ShardedBase:
+def live_base(params, *, layout, tied_aliases, rank: int, world: int, experts: ExpertBlock | None,
+              ranks: list[int] | None = None) -> ShardedBase:
     """A ShardedBase over ``params`` (hf-fused name → ``LiveParam``, in layer order), views only.
+    ``ranks``: the global ranks of weightsync's group (default ``range(world)``).
 
     Raises:
-        ValueError: a DTensor placed other than ``(Shard(0),)`` on a 1-D mesh (named, with the fix); an
-            expert tensor whose expert count disagrees with ``experts``.
+        ValueError: a DTensor ``placement.dtensor_box`` refuses (Partial, strided rows, a mesh outside the
+            group: named, with the fix); an expert tensor whose expert count disagrees with ``experts``.
     """
+    ranks = list(range(world)) if ranks is None else ranks
     shards = {}
     for name, p in params.items():
         if p.sharded:
-            shards[name] = _dtensor_shard(name, p.param)
+            shards[name] = _dtensor_shard(name, p.param, ranks)
         elif experts is not None and expert_names().fused.search(name):
             shards[name] = _expert_shard(name, p.local(), experts)
         else:

@@ -19,6 +19,7 @@ from datetime import timedelta
 import numpy as np
 import torch
 
+from sync_service.live.example_mesh import data_rank, wrap_fsdp2
 from sync_service.transports.store import free_port
 
 MODES = ("fsdp2", "ddp", "ep")
@@ -73,16 +74,18 @@ class ExampleTrainingRank:
         self._hold = threading.Event()
         self._release = threading.Event()
         self._step = 0
+        self._data_rank = rank
 
     def rendezvous(self) -> tuple[str, int]:
         return "127.0.0.1", free_port()
 
     def setup(self, host: str, port: int, base_dir: str, mode: str, *, lora_r: int = 2, shard_dim: int = 0,
-              mesh_shape: tuple[int, ...] | None = None, restore: dict[str, np.ndarray] | None = None,
+              mesh_shape: tuple[int, ...] | None = None, tp: bool = False, restore: dict[str, np.ndarray] | None = None,
               dtype: str = "float32", **attach_kw):
         """Join the training group, build and wrap the model, make the optimizer; attach weightsync.
         ``lora_r`` / ``shard_dim`` (FSDP2 placement dim) / ``mesh_shape`` (FSDP2 mesh, default ``(world,)``;
-        2-D: HSDP) let a test give ranks bad or differing models;
+        2-D: HSDP) / ``tp`` (the last mesh axis is TP: ``example_mesh.py``) choose the sharding, or give
+        ranks differing models;
         ``restore``: the whole adapter of a checkpoint (``adapter_state``) to resume from (not under EP);
         ``dtype``: the torch dtype name the base is loaded in (the engines' dtype)."""
         import torch.distributed as dist
@@ -105,7 +108,9 @@ class ExampleTrainingRank:
             from peft import set_peft_model_state_dict
 
             set_peft_model_state_dict(self.peft, {k: torch.from_numpy(v.copy()) for k, v in restore.items()})
-        self.model = self._wrap(mode, shard_dim, mesh_shape or (self.world,))
+        mesh_shape = tuple(mesh_shape or (self.world,))
+        self._data_rank = data_rank(self.rank, mesh_shape, tp and mode == "fsdp2")  # a TP group shares a batch
+        self.model = self._wrap(mode, shard_dim, mesh_shape, tp)
         self.opt = torch.optim.AdamW([p for p in self.peft.parameters() if p.requires_grad], lr=2e-2)
         kw = dict(attach_kw)
         if mode == "ep" and "expert_range" not in kw:
@@ -113,18 +118,9 @@ class ExampleTrainingRank:
             kw["expert_range"] = (self.rank * e_local, (self.rank + 1) * e_local)
         return attach_trainer(self.model, before_send=self._gate, **kw)
 
-    def _wrap(self, mode: str, shard_dim: int, mesh_shape: tuple[int, ...]):
+    def _wrap(self, mode: str, shard_dim: int, mesh_shape: tuple[int, ...], tp: bool):
         if mode == "fsdp2":
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
-            from torch.distributed.tensor import Shard
-
-            names = ("replicate", "shard") if len(mesh_shape) == 2 else None  # HSDP's mesh dims
-            mesh = init_device_mesh("cpu", tuple(mesh_shape), mesh_dim_names=names)
-            place = None if shard_dim == 0 else (lambda p: Shard(shard_dim) if p.dim() > shard_dim else Shard(0))
-            for layer in self.peft.base_model.model.model.layers:
-                fully_shard(layer, mesh=mesh, shard_placement_fn=place)
-            return fully_shard(self.peft, mesh=mesh)
+            return wrap_fsdp2(self.peft, mesh_shape=mesh_shape, shard_dim=shard_dim, tp=tp)
         if mode == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 
@@ -137,7 +133,7 @@ class ExampleTrainingRank:
         import torch.distributed as dist
 
         self._step += 1
-        g = torch.Generator().manual_seed(100 * self._step + self.rank)
+        g = torch.Generator().manual_seed(100 * self._step + self._data_rank)
         tokens = torch.randint(3, 64, (2, 12), generator=g)
         self.opt.zero_grad(set_to_none=False)
         loss = self.model(input_ids=tokens, labels=tokens).loss

@@ -12,7 +12,7 @@ sharded in place by FSDP2 ``fully_shard``). Its parameters are named as PEFT reg
   frozen ``<module>.original_module.<param>`` is the base tensor.
 
 Each parameter is a plain tensor (single process, DDP replica, or an expert-parallel rank's own
-expert block) or a ``DTensor`` placed ``(Shard(0),)`` on a 1-D mesh (FSDP2). Nothing is copied
+expert block) or a ``DTensor`` on any mesh (FSDP2, HSDP, FSDP2 × TP; ``placement.py``). Nothing is copied
 here: ``LiveParam.local()`` is a view of the storage the optimizer updates in place.
 """
 

@@ -6,8 +6,8 @@ of the user's PEFT model — plain, DDP, FSDP2, expert parallel) and the ``Train
 materialized shard-only). ``snapshot(version)`` copies this rank's local factor values (r-thin;
 nothing of the base) and pins the base object (replaced copy-on-write by ``update_base``, never
 written in place), so the next optimizer step may change the factors at once. ``source(version)``
-turns a snapshot into a ``MergedSource`` over the base views: under FSDP2 it first all-gathers the
-factor rows this rank lacks (``ShardGather``, weightsync's own group, reused buffers); under expert
+turns a snapshot into a ``MergedSource`` over the base views: with DTensor factors (any mesh) it first
+all-gathers the factor boxes this rank lacks (``ShardGather``, weightsync's own group, reused buffers); under expert
 parallelism a rank's own factors feed its own experts and no collective runs
 (``sharding/local_adapter.py``); ``whole_adapter=True`` (factor streaming) all-gathers every
 expert's factors (``FactorGather``). The adapter is normalised once and refreshed in place per sync.
@@ -24,6 +24,7 @@ import torch
 from sync_service.live.base import ExpertBlock, live_base
 from sync_service.live.gather import ShardGather
 from sync_service.live.model import LiveModel, LiveParam
+from sync_service.live.placement import group_ranks
 from sync_service.live.structure import check_dora_rows, check_expert_ownership, num_experts_of, structural_adapter
 from sync_service.merge.adapter import adapter_from_state_dict
 from sync_service.merge.derive import layout_for
@@ -52,8 +53,8 @@ class LiveState:
 
     Args:
         base: the rank's base shard (views; the boxes it produces are ``base.owned()``).
-        factors: PEFT state-dict key → factor as this rank holds it (a DTensor ``(Shard(0),)`` under
-            FSDP2, an expert block under EP, else whole); also DoRA magnitudes and modules_to_save copies.
+        factors: PEFT state-dict key → factor as this rank holds it (a DTensor on any mesh under FSDP2 /
+            HSDP / TP, an expert block under EP, else whole); also DoRA magnitudes and modules_to_save copies.
         peft_config: the adapter's ``peft.LoraConfig`` (``None``: no adapter, full fine-tuning only).
         spec: the rank's place in the ep × tp mesh (``rank = ep_rank · tp + tp_rank``).
         group: weightsync's process group (``None``: the default group, or none with ``world == 1``).
@@ -90,7 +91,7 @@ class LiveState:
             ValueError: ``experts`` given with DTensor factors; a sharding ``live_base`` refuses.
         """
         base = live_base(live.base, layout=layout_for(live.config), tied_aliases=live.tied_aliases,
-                         rank=rank, world=world, experts=experts)
+                         rank=rank, world=world, experts=experts, ranks=group_ranks(group, world))
         if experts is not None and any(p.sharded for p in live.factors.values()):
             raise ValueError("attach_trainer: expert_range= is for modules holding plain expert blocks; these LoRA "
                              "factors are DTensors — drop expert_range (the DTensor placement gives the rows)")
@@ -98,11 +99,15 @@ class LiveState:
                    timeout_s=timeout_s)
 
     def prepare(self) -> None:
-        """Normalise the adapter's structure once against the base (no collective, no values).
+        """Exchange the DTensor factors' boxes (a collective on ``group``, with DTensor factors only) and
+        normalise the adapter's structure once against the base (no values). Every rank calls it once.
 
         Raises:
-            MergeError: the adapter does not fit the base; a DoRA tensor split by columns (named).
+            ValueError: the ranks' factor boxes do not tile a factor. MergeError: the adapter does not fit
+                the base; a DoRA tensor split by columns (named).
         """
+        if self._gather is not None:
+            self._gather.exchange()
         structure = self.structure()
         check_dora_rows(structure, self.base, self.spec, self.rank)
         self._changed = structure.changed_names()

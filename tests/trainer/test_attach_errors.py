@@ -101,13 +101,38 @@ def _errors(ranks, base_dir, mode: str, per_rank) -> list[str]:
 
 
 @pytest.mark.parametrize("case,mode,per_rank,expected", [
-    ("Shard(1)", "fsdp2", lambda k: {"shard_dim": 1}, r"placed \(Shard\(dim=1\),\).*fully_shard"),
-    ("2-D mesh (HSDP)", "fsdp2", lambda k: {"mesh_shape": (1, 2)},
-     r"placed \(Replicate\(\), Shard\(dim=0\)\) on a 2-D mesh; the endpoint reads \(Shard\(0\),\) on a 1-D mesh"),
     ("ranks differ", "ep", lambda k: {"lora_r": 2 + 2 * k}, r"the ranks' models differ"),
     ("expert ranges overlap", "ep", lambda k: {"expert_range": (0, 2)}, r"equal contiguous blocks in rank order"),
 ])
 def test_bad_sharding_fails_on_every_rank(bases, ranks, case, mode, per_rank, expected):
+    """(``Shard(1)`` and HSDP attach and sync exactly: ``test_live_meshes.py``.)"""
     texts = _errors(ranks, bases["qwen3_moe"], mode, per_rank)
     for text in texts:
         assert "AttachError" in text and re.search(expected, text), (case, text[-600:])
+
+
+def _attach_with_partial(rank):
+    """Runs in a training rank set up with FSDP2: one LoRA factor becomes a ``Partial`` DTensor (a pending
+    sum); attach again."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    from sync_service.live import attach_trainer
+
+    name = next(n for n, _ in rank.peft.named_parameters() if ".lora_B." in n)
+    owner = rank.peft.get_submodule(name.rsplit(".", 1)[0])
+    p = owner.weight
+    owner.weight = torch.nn.Parameter(DTensor.from_local(p.to_local(), p.device_mesh, [Partial()], run_check=False))
+    attach_trainer(rank.model)
+
+
+def test_partial_placement_fails_on_every_rank(bases, ranks):
+    from tests.trainer.conftest import setup_ranks
+
+    setup_ranks(ranks, bases["qwen3_moe"], "fsdp2")
+    refs = [r.__ray_call__.remote(_attach_with_partial) for r in ranks]
+    for ref in refs:
+        with pytest.raises(ray.exceptions.RayTaskError) as info:
+            ray.get(ref, timeout=300)
+        text = str(info.value)
+        assert "AttachError" in text and re.search(r"lora_B\.weight is a DTensor placed \(Partial\(sum\),\) on a 1-D "
+                                                   r"mesh \(2,\); mesh axis 0 has Partial\(sum\).*redistribute", text), text[-600:]

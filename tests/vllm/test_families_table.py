@@ -65,7 +65,10 @@ def test_refusal_claims_hold():
     import inspect
 
     import torch
-    import vllm._C  # noqa: F401 - registers vLLM's CPU ops
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()  # registers vLLM's CPU ops from the library this CPU runs (AVX2, AVX512,
+    # AVX512-BF16); a bare `import vllm._C` loads the AVX512-BF16 one and dies of SIGILL on an AVX2-only CPU
     from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention
     from vllm.model_executor.models.registry import ModelRegistry
     from vllm.model_executor.models.transformers import base as transformers_backend

@@ -1,0 +1,142 @@
+"""Any DTensor mesh, read in place: 4 gloo ranks (one Ray session, one rank group) train a tiny PEFT
+Qwen3-MoE with AdamW under HSDP (2, 2), FSDP2 ``Shard(1)``, FSDP2 × TP (``parallelize_module``
+Colwise q/k/v, Rowwise o) and HSDP × TP on a 3-D mesh (2, 1, 2); every version on every engine equals
+PEFT's float64 merge (cast once) of the gathered factors, and the pushes leave params, grads and
+optimizer state bitwise unchanged.
+
+The base has 2 key/value heads (``make_base`` writes 1), so attention's heads split over tp=2.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.trainer.conftest import assert_engines_hold, differs, peft_merged, ray, setup_ranks
+
+CONFIG_KW = dict(transport="shm", bucket_bytes=16 << 10, timeout_s=120, reset_versions=True)
+WORLD = 4
+
+CASES = {  # the TP cases on fresh ranks (``_ranks_for``)
+    "hsdp": dict(mesh_shape=(2, 2)),
+    "shard1": dict(shard_dim=1),
+    "fsdp2_tp": dict(mesh_shape=(2, 2), tp=True),
+    "hsdp_tp_3d": dict(mesh_shape=(2, 1, 2), tp=True),
+}
+EXPECT = {  # a placement each case must produce (so it tests what it says)
+    "hsdp": "(Replicate(), Shard(dim=0))",
+    "shard1": "(Shard(dim=1),)",
+    "fsdp2_tp": "(_StridedShard(dim=0, sf=2), Shard(dim=0))",
+    "hsdp_tp_3d": "(Replicate(), _StridedShard(dim=0, sf=2), Shard(dim=0))",
+}
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A tiny Qwen3-MoE with 2 key/value heads (TP-splittable attention), seeded weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from sync_service.synthetic import make_base
+    from sync_service.synthetic.base import randomize_
+
+    out = make_base("qwen3_moe", tmp_path_factory.mktemp("mesh") / "qwen3_moe", num_experts=4, num_layers=2, hidden=32)
+    config = AutoConfig.from_pretrained(out)
+    config.num_key_value_heads = 2
+    model = AutoModelForCausalLM.from_config(config)
+    randomize_(model, seed=0, scale=0.1)
+    model.save_pretrained(out)
+    assert json.loads((out / "config.json").read_text())["num_key_value_heads"] == 2
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks4(ray_local):
+    from tests.trainer.harness import TrainingRank
+
+    actors = [TrainingRank.remote(r, WORLD) for r in range(WORLD)]
+    yield actors
+    for a in actors:
+        ray.kill(a)
+
+
+@pytest.fixture(scope="module")
+def engines(ray_local, base):
+    from actors.launch import start_engines
+
+    return start_engines(base, 2, prefix="mesh")
+
+
+def _placements(rank) -> list[str]:
+    """Runs in a training rank: the distinct placements of its parameters."""
+    return sorted({repr(tuple(p.placements)) for p in rank.peft.parameters() if hasattr(p, "placements")})
+
+
+def _adapter(ranks) -> dict[str, torch.Tensor]:
+    """The trained adapter; every rank's view of it is the same (TP and HSDP replicas agree)."""
+    states = ray.get([r.adapter_state.remote() for r in ranks], timeout=120)
+    for k, state in enumerate(states[1:], 1):
+        assert all((state[n] == states[0][n]).all() for n in states[0]), f"rank {k}'s adapter differs from rank 0's"
+    return {k: torch.from_numpy(v.copy()) for k, v in states[0].items()}
+
+
+def _ranks_for(case: str, shared: list) -> list:
+    """The module's ranks, or fresh ones for a TP case: a rank process whose training group was destroyed
+    and made again cannot run TP's collectives on a new device mesh (torch names a process group that no
+    longer resolves: 'Could not resolve the process group registered under the name N')."""
+    if not CASES[case].get("tp"):
+        return shared
+    from tests.trainer.harness import TrainingRank
+
+    return [TrainingRank.remote(r, WORLD) for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_any_mesh_trains_and_pushes_exact_versions(base, engines, ranks4, tmp_path, case):
+    ranks = _ranks_for(case, ranks4)
+    try:
+        _train_and_push(base, engines, ranks, tmp_path, case)
+    finally:
+        if ranks is not ranks4:
+            for a in ranks:
+                ray.kill(a)
+
+
+def _train_and_push(base, engines, ranks4, tmp_path, case) -> None:
+    from sync_service.api import SyncConfig, WeightSync
+
+    handles = setup_ranks(ranks4, base, "fsdp2", **CASES[case])
+    assert EXPECT[case] in ray.get(ranks4[0].__ray_call__.remote(_placements)), case
+    sync = WeightSync(trainers=handles, engines=engines, config=SyncConfig(**CONFIG_KW))
+    try:
+        before = None
+        for step in range(3):
+            losses = ray.get([r.train_step.remote() for r in ranks4], timeout=300)
+            assert all(loss == loss for loss in losses)
+            digests = ray.get([r.digest.remote() for r in ranks4])
+            metrics = sync.push(step)
+            assert ray.get([r.digest.remote() for r in ranks4]) == digests, "a push changed trainer state"
+            assert metrics.full == (step == 0) and all(e.committed for e in metrics.engines)
+            adapter = _adapter(ranks4)
+            assert before is None or differs(adapter, before), "the optimizer step changed no factor"
+            before = adapter
+            oracle = peft_merged(base, adapter, tmp_path / f"v{step}")
+            assert_engines_hold(engines, oracle, what=f"{case} version {step}")
+        assert set(sync.engine_versions().values()) == {2}
+    finally:
+        sync.close()
+
+
+def test_strided_rows_are_refused_by_name():
+    """torch's box of a ``_StridedShard`` is (first index, local size): right when the indices are contiguous
+    (FSDP2 over TP), refused by name when they are not."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from sync_service.live.placement import check_contiguous
+
+    check_contiguous("w", (8, 4), (2, 2), (_StridedShard(0, split_factor=2), Shard(0)))  # FSDP2 over TP
+    with pytest.raises(ValueError, match=r"w is a DTensor placed \(Shard\(dim=0\), _StridedShard\(dim=0, sf=2\)\).*"
+                                         r"leaves a rank strided \(not contiguous\) rows of dim 0"):
+        check_contiguous("w", (8, 4), (2, 2), (Shard(0), _StridedShard(0, split_factor=2)))
