@@ -2,7 +2,8 @@
 
 Two training ranks (``ExampleTrainingRank`` as threaded Ray actors, gloo) build the cached demo
 Qwen3-MoE, add PEFT LoRA on attention + experts, wrap it (FSDP2 ``fully_shard`` per layer, DDP, or
-expert parallel) and train with AdamW on an LM loss; after every step ``push(step)``. Each version is
+expert parallel) and train with AdamW on an LM loss over a fixed batch (the reported loss falls); after
+every step ``push(step)``. Each version is
 verified on every engine against an independent oracle: PEFT ``merge_and_unload`` in float64 (cast
 once) of the adapter gathered from the ranks, with the verdict of ``weightsync sync`` (``verify.verdict``:
 weights within fp32 rounding, greedy generations equal up to near-ties). ``--json``: the demo's shape plus

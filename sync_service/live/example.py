@@ -128,12 +128,14 @@ class ExampleTrainingRank:
         return self.peft
 
     def train_step(self) -> float:
-        """One AdamW step on an LM loss over seeded tokens (different per rank and step), in the usual order
-        ``zero_grad``, forward, backward, ``step``: the step's grads stay in ``.grad`` until the next step."""
+        """One AdamW step on an LM loss over a fixed batch of seeded tokens (one per data-parallel rank, the
+        same every step, so the returned loss — computed before this step's update — falls as the model
+        learns it), in the usual order ``zero_grad``, forward, backward, ``step``: the step's grads stay in
+        ``.grad`` until the next step."""
         import torch.distributed as dist
 
         self._step += 1
-        g = torch.Generator().manual_seed(100 * self._step + self._data_rank)
+        g = torch.Generator().manual_seed(self._data_rank)
         tokens = torch.randint(3, 64, (2, 12), generator=g)
         self.opt.zero_grad(set_to_none=False)
         loss = self.model(input_ids=tokens, labels=tokens).loss

@@ -32,6 +32,7 @@ def test_fsdp2_trainer_demo_verifies_every_version_and_writes_the_trainer_json(t
     trainer = doc["trainer"]
     assert (trainer["kind"], trainer["world"], len(trainer["loss"])) == ("fsdp2", 2, 2)
     assert all(math.isfinite(loss) and loss > 0 for loss in trainer["loss"])
+    assert trainer["loss"][1] < trainer["loss"][0], f"the demo's model did not learn its fixed batch: {trainer['loss']}"
     assert [v["version"] for v in doc["versions"]] == [0, 1]
     assert [v["full"] for v in doc["versions"]] == [True, False]
     assert all(0 < v["bytes"] and v["verified"] for v in doc["versions"])
