@@ -2,9 +2,10 @@
 
 A sender allocates ``spec.slots`` buffers of ``spec.bucket_bytes`` on ``spec.device`` when it opens and
 hands every receiver one handle per buffer, once: a CUDA IPC handle (``UntypedStorage._share_cuda_``)
-for ``"cuda"``, or, for ``"cpu"`` (the same class, what runs without a GPU), the name of a torch shared-memory
-file (``UntypedStorage._share_filename_cpu_``, the ``file_system`` strategy of ``torch.multiprocessing``:
-no file-descriptor passing between unrelated processes). No handle and no allocation per bucket.
+for ``"cuda"``, or, for ``"cpu"`` (the same class, what runs without a GPU), the path and offset of the slot in
+one shm segment of the sender (``shm.create_owned``: named for its owner's pid, swept once it is gone). Not
+torch's ``file_system`` sharing: its ``torch_shm_manager`` dies with the sender's process group, and a receiver
+then aborts (``std::system_error: Broken pipe``) when it frees a slot. No handle and no allocation per bucket.
 
 Everything else is the shared-memory ring of ``shm.py``, reused as it is over a ring whose payload is a
 16-byte slot note (a ``ShmSender`` / ``ShmReceiver`` per side): frame numbers, flow control (a slot is
@@ -25,6 +26,7 @@ a channel's senders send nothing else before every receiver opened (the coordina
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections import deque
 
 import msgpack
@@ -32,7 +34,7 @@ import numpy as np
 import torch
 
 from protocols.interfaces import TransportError
-from sync_service.transports.shm import ShmReceiver, ShmSender
+from sync_service.transports.shm import ShmReceiver, ShmSender, create_owned, map_owned, unlink
 from sync_service.transports.spec import TransportSpec
 
 _HANDLES = b"\x00weightsync-ipc-handles\x00"
@@ -53,18 +55,34 @@ def _address(buf) -> int:
 
 
 def share(slot: torch.Tensor) -> list:
-    """The msgpack-able handle of a slot's storage (CUDA IPC handle, or torch shared-memory file name)."""
-    storage = slot.untyped_storage()
-    return list(storage._share_cuda_() if slot.is_cuda else storage._share_filename_cpu_())
+    """The msgpack-able CUDA IPC handle of a device slot's storage."""
+    return list(slot.untyped_storage()._share_cuda_())
 
 
-def open_shared(handle: list, cuda: bool) -> torch.Tensor:
-    """The uint8 tensor over a slot another process shared with ``share`` (maps it; no copy)."""
-    if cuda:
-        storage = torch.UntypedStorage._new_shared_cuda(*handle)
-    else:
-        storage = torch.UntypedStorage._new_shared_filename_cpu(*handle)
+def open_shared(handle: list) -> torch.Tensor:
+    """The uint8 tensor over a device slot another process shared with ``share`` (maps it; no copy)."""
+    storage = torch.UntypedStorage._new_shared_cuda(*handle)
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+def _host_slots(spec: TransportSpec, sender: int) -> tuple[list[torch.Tensor], list, str]:
+    """``spec.slots`` host slots in one new shm segment: the slots, their handles ``[path, offset]``, the path."""
+    mm, path = create_owned(f"{spec.name}-s{sender}-slots", spec.slots * spec.bucket_bytes)
+    whole = torch.frombuffer(mm, dtype=torch.uint8)
+    size = spec.bucket_bytes
+    return [whole[i * size:(i + 1) * size] for i in range(spec.slots)], [[path, i * size] for i in range(spec.slots)], path
+
+
+def _open_host_slots(handles: list, spec: TransportSpec) -> list[torch.Tensor]:
+    """Map the sender's segment once; a slot per handle.
+
+    Raises: TransportError: the handles do not name one weightsync segment at slot offsets."""
+    paths = {h[0] for h in handles}
+    size = spec.bucket_bytes
+    if len(paths) != 1 or any(h[1] != i * size for i, h in enumerate(handles)):
+        raise TransportError(f"cuda_ipc {spec.name}: bad host slot handles {handles!r}")
+    whole = torch.frombuffer(map_owned(paths.pop(), spec.slots * size), dtype=torch.uint8)
+    return [whole[i * size:(i + 1) * size] for i in range(spec.slots)]
 
 
 def _copy_into(view, payload) -> None:
@@ -92,10 +110,15 @@ class IpcSender:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise TransportError(f"cuda_ipc {spec.name}: TransportSpec.device={spec.device!r} but this process sees "
                                  "no CUDA device; use device='cpu' or the 'shm' transport")
-        self.slots = [torch.empty(spec.bucket_bytes, dtype=torch.uint8, device=device) for _ in range(spec.slots)]
-        handles = [share(s) for s in self.slots]  # before the first touch: sharing may move a CPU storage
-        for s in self.slots:
-            s.fill_(1)  # touch every page (device memory) once, here
+        if device.type == "cuda":
+            self.slots = [torch.empty(spec.bucket_bytes, dtype=torch.uint8, device=device) for _ in range(spec.slots)]
+            handles = [share(s) for s in self.slots]
+            for s in self.slots:
+                s.fill_(1)  # touch every page (device memory) once, here
+            self._unlink_slots = None
+        else:  # host slots: every page reserved and touched by create_owned
+            self.slots, handles, path = _host_slots(spec, sender)
+            self._unlink_slots = weakref.finalize(self, unlink, path)  # the name goes with this sender
         self._views = [s if s.is_cuda else s.numpy() for s in self.slots]
         self.ring = ShmSender(_ring_spec(spec), sender)
         self._reserved: deque[np.ndarray] = deque()  # ring note areas of frames reserved, not yet sent
@@ -147,6 +170,8 @@ class IpcSender:
         """Close the ring (receivers see the sender gone); the slots go when every process dropped them."""
         self.ring.close()
         self._reserved.clear()
+        if self._unlink_slots is not None:
+            self._unlink_slots()
 
 
 class IpcReceiver:
@@ -183,7 +208,8 @@ class IpcReceiver:
         if info["bytes"] != self.spec.bucket_bytes or len(info["handles"]) != self.spec.slots or self.slots[s]:
             raise TransportError(f"cuda_ipc {self.spec.name}: sender {s}'s slots ({len(info['handles'])} x "
                                  f"{info['bytes']} B) do not match the spec ({self.spec.slots} x {self.spec.bucket_bytes} B)")
-        self.slots[s] = [open_shared(h, info["cuda"]) for h in info["handles"]]
+        self.slots[s] = ([open_shared(h) for h in info["handles"]] if info["cuda"]
+                         else _open_host_slots(info["handles"], self.spec))
         self._views[s] = [t if t.is_cuda else t.numpy() for t in self.slots[s]]
 
     def recv(self, timeout_s: float):

@@ -48,6 +48,8 @@ SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "weightsync-"
 """Every segment's file name starts with this (``weightsync-<spec.name>-s<sender>``)."""
 _STAGING = ".init-"
+OWNED = ".pid-"
+"""A segment named ``<...>.pid-<pid>`` belongs to process ``pid`` (the sweep removes it once that process is gone)."""
 
 
 def _path(spec: TransportSpec, sender: int) -> str:
@@ -56,10 +58,12 @@ def _path(spec: TransportSpec, sender: int) -> str:
 
 def segment_owner(path: str) -> int | None:
     """The pid of the sender that created the segment at ``path`` (``None``: not a ring segment
-    or unreadable). A staging file (``<path>.init-<pid>``) names its creator in its name."""
-    head, sep, pid = path.rpartition(_STAGING)
-    if sep and pid.isdigit():
-        return int(pid)
+    or unreadable). A staging file (``<path>.init-<pid>``) or an owned one (``<path>.pid-<pid>``) names its
+    creator in its name."""
+    for marker in (_STAGING, OWNED):
+        head, sep, pid = path.rpartition(marker)
+        if sep and pid.isdigit():
+            return int(pid)
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -141,6 +145,52 @@ def _same_memory(payload, area: np.ndarray) -> bool:
 
 def _sleep(spins: int) -> None:
     time.sleep(0 if spins < 50 else 0.0002 if spins < 2000 else 0.001)
+
+
+def create_owned(name: str, size: int) -> tuple[mmap.mmap, str]:
+    """A new zero-filled segment ``SHM_DIR/weightsync-<name>.pid-<this pid>`` of ``size`` bytes, every page
+    reserved and touched once, mapped; returns the mapping and its path. The caller unlinks it when done
+    (``unlink``); if the process dies first, the next sender's ``sweep_orphans`` does.
+
+    Raises:
+        TransportError: ``SHM_DIR`` cannot hold it (sizes and fix named)."""
+    path = f"{SHM_DIR}/{SEGMENT_PREFIX}{name}{OWNED}{os.getpid()}"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        _reserve(fd, size, path)
+        mm = mmap.mmap(fd, size)
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+    np.frombuffer(mm, dtype=np.uint8)[:] = 0
+    return mm, path
+
+
+def map_owned(path: str, size: int) -> mmap.mmap:
+    """Map the segment another process made with ``create_owned`` (read-write).
+
+    Raises:
+        TransportError: ``path`` is not a segment of this transport, is gone, or its size is not ``size``."""
+    if not (path.startswith(f"{SHM_DIR}/{SEGMENT_PREFIX}") and "/" not in path[len(SHM_DIR) + 1:]
+            and segment_owner(path) is not None):
+        raise TransportError(f"{path!r} is not a weightsync segment in {SHM_DIR}")
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError as exc:
+        raise TransportError(f"segment {path}: {exc.strerror} (its sender ended?)") from exc
+    try:
+        if os.fstat(fd).st_size != size:
+            raise TransportError(f"segment {path} has {os.fstat(fd).st_size} bytes, expected {size}: spec mismatch")
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+def unlink(path: str) -> None:
+    """Remove a segment's name (no error if already gone); mappings stay valid until unmapped."""
+    _unlink(path)
 
 
 def _reserve(fd: int, size: int, path: str) -> None:
