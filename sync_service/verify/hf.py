@@ -26,15 +26,27 @@ MAX_NEW_TOKENS = 8
 
 def reference(base: Path, adapter: Path | None, *, tp: int, merge_dir: Path | None = None,
               prompts: Sequence[Sequence[int]] = PROMPTS, max_new_tokens: int = MAX_NEW_TOKENS,
-              dtype: torch.dtype | None = None) -> Reference:
+              dtype: torch.dtype | None = None, table: Sequence | None = None) -> Reference:
     """The ``Reference`` of ``base`` + ``adapter`` (``None``: the base itself): PEFT's float64 merge cast
     once (into ``dtype``, the engines' dtype; default the base's) and its greedy decodes of ``prompts``; with
     ``merge_dir``, also the ``weightsync merge`` output written there (in the base's dtype) and read back, its
-    floating tensors cast into ``dtype`` (exactly what an fp32-accumulated sync casts once into the engine's)."""
+    floating tensors cast into ``dtype`` (exactly what an fp32-accumulated sync casts once into the engine's).
+    ``table``: an engine's ``ParamMeta`` table that holds block-FP8 tensors: the oracle is ``verify.fp8_oracle``'s
+    (transformers' quantizer of the float64 merge; decodes on transformers' dequantization; no merge output)."""
+    from sync_service.fp8 import table_blocks
     from sync_service.merge.export import merge_checkpoint
     from sync_service.verify.peft_oracle import checkpoint_state, model_state, peft_merged_model
     from sync_service.verify.tokens import hf_decodes
 
+    extra_atol = 0.0 if tp == 1 else TP_EXTRA_ATOL
+    if table is not None and table_blocks(table):
+        from sync_service.verify.fp8_oracle import compute_dtype, dequantized_, quantized_state
+
+        model = peft_merged_model(base, adapter, dtype=torch.float64)
+        compute = compute_dtype(table) or torch.bfloat16
+        oracle = quantized_state(model_state(model), table, compute)
+        model = dequantized_(model, oracle, table, compute)
+        return Reference(oracle=oracle, decodes=hf_decodes(model, prompts, max_new_tokens), extra_atol=extra_atol)
     model = peft_merged_model(base, adapter, dtype=dtype)
     written = None
     if merge_dir is not None:
@@ -44,7 +56,7 @@ def reference(base: Path, adapter: Path | None, *, tp: int, merge_dir: Path | No
         if dtype is not None:
             written = {n: t.to(dtype) if t.is_floating_point() else t for n, t in written.items()}
     return Reference(oracle=model_state(model), written=written, decodes=hf_decodes(model, prompts, max_new_tokens),
-                     extra_atol=0.0 if tp == 1 else TP_EXTRA_ATOL)
+                     extra_atol=extra_atol)
 
 
 def verify_version(base: Path, vdir: Path, replay, engines: Sequence, *, tp: int, timeout_s: float) -> list[dict]:
@@ -54,16 +66,20 @@ def verify_version(base: Path, vdir: Path, replay, engines: Sequence, *, tp: int
     Blocks up to ``timeout_s`` per engine call."""
     import ray
 
+    from sync_service.fp8 import table_blocks
     from sync_service.verify.peft_oracle import engine_dtype
 
     adapter = None if replay is None else replay.save(vdir / "adapter")
-    refs: dict[torch.dtype | None, Reference] = {}  # per engine dtype: the oracle cast once into it
+    refs: dict[object, Reference] = {}  # per engine dtype (FP8: per table): the oracle cast once into it
     out = []
     for engine in engines:
-        dtype = engine_dtype(ray.get(engine.param_metas.remote(), timeout=timeout_s))
-        if dtype not in refs:
-            refs[dtype] = reference(base, adapter, tp=tp, merge_dir=vdir / "merged", dtype=dtype)
-        ref = refs[dtype]
+        table = ray.get(engine.param_metas.remote(), timeout=timeout_s)
+        fp8 = bool(table_blocks(table))
+        key = tuple(sorted((m.name, m.dtype, tuple(m.shape)) for m in table)) if fp8 else engine_dtype(table)
+        if key not in refs:
+            refs[key] = reference(base, adapter, tp=tp, merge_dir=vdir / "merged", dtype=None if fp8 else key,
+                                  table=table if fp8 else None)
+        ref = refs[key]
         state = ray.get(engine.state.remote(), timeout=timeout_s)
         gens = [ray.get(engine.generate.remote(list(p), MAX_NEW_TOKENS), timeout=timeout_s) for p in PROMPTS]
         out.append(verdict(ref, state, [g[0] for g in gens], gens[0][1]))
@@ -75,18 +91,30 @@ def verify_weights(base: Path, engines: Sequence, replay, *, tp: int, timeout_s:
     cast once; up to the ulp bound of ``compare_state``, + ``TP_EXTRA_ATOL`` with TP blocks)."""
     import ray
 
-    from sync_service.verify.peft_oracle import peft_merged_state
-
     out = []
-    oracles: dict[tuple, dict] = {}  # per engine table's dtypes: the oracle cast once into them
+    oracles: dict[tuple, dict] = {}  # per engine table's dtypes: the oracle cast once (or quantized) into them
     with tempfile.TemporaryDirectory(prefix="wsoracle") as work:  # the replayed adapter, as PEFT reads it
         adapter = None if replay is None else replay.save(Path(work) / "adapter")
         for e in engines:
-            dtypes = {m.name: m.dtype for m in ray.get(e.param_metas.remote(), timeout=timeout_s)}
+            table = ray.get(e.param_metas.remote(), timeout=timeout_s)
+            dtypes = {m.name: m.dtype for m in table}
             key = tuple(sorted(dtypes.items()))
             if key not in oracles:
-                oracles[key] = peft_merged_state(base, adapter, dtypes=dtypes)
+                oracles[key] = _weights_oracle(base, adapter, table)
             ref = Reference(oracle=oracles[key], extra_atol=0.0 if tp == 1 else TP_EXTRA_ATOL)
             out.append(verdict(ref, ray.get(e.state.remote(), timeout=timeout_s), None,
                                ray.get(e.weight_version.remote(), timeout=timeout_s)))
     return out
+
+
+def _weights_oracle(base: Path, adapter: Path | None, table: Sequence) -> dict[str, torch.Tensor]:
+    """PEFT's float64 merge in an engine's table (``ParamMeta``s): each tensor cast once into its dtype, block-FP8
+    ones through transformers' quantizer (``verify.fp8_oracle``)."""
+    from sync_service.fp8 import table_blocks
+    from sync_service.verify.fp8_oracle import compute_dtype, quantized_state
+    from sync_service.verify.peft_oracle import model_state, peft_merged_model, peft_merged_state
+
+    if not table_blocks(table):
+        return peft_merged_state(base, adapter, dtypes={m.name: m.dtype for m in table})
+    merged = model_state(peft_merged_model(base, adapter, dtype=torch.float64))
+    return quantized_state(merged, table, compute_dtype(table) or torch.bfloat16)

@@ -57,8 +57,10 @@ class Reference:
 
     @property
     def dtype(self) -> torch.dtype:
-        """The serving dtype (of the oracle's floating tensors)."""
-        return next((t.dtype for t in self.oracle.values() if t.is_floating_point()), torch.float32)
+        """The serving dtype the token bound is taken from: the coarsest (largest epsilon) floating dtype of the
+        oracle's tensors, ``float8_e4m3fn`` where an engine serves block FP8 (float32 if none)."""
+        floats = {t.dtype for t in self.oracle.values() if t.is_floating_point()}
+        return max(floats, key=lambda d: torch.finfo(d).eps, default=torch.float32)
 
 
 def verdict(ref: Reference, state: Mapping[str, Any], tokens: Sequence[Sequence[int]] | None,

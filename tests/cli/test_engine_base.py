@@ -1,7 +1,9 @@
 """``weightsync sync --engine-base DIR``: engines load another checkpoint of the same model (here the fp32
 base saved in bf16); the trainers merge in the accumulation dtype and cast once into the engines' dtype, and
 the run verifies against PEFT's float64 merge cast once into bf16. Bad engine bases are refused before Ray
-in one line (in process); the sync itself runs once through the console script."""
+in one line (in process); the sync itself runs once through the console script, into bf16 engines and into
+block-FP8 engines (``weightsync merge --quantize fp8`` of another adapter: every FP8 byte and scale is judged
+against transformers' own quantizer of PEFT's float64 merge, ``verify.fp8_oracle``)."""
 
 from __future__ import annotations
 
@@ -12,8 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from protocols.params import ParamMeta
+from sync_service.dtypes import wire_dtype
+from sync_service.merge.export import merge_checkpoint
+from sync_service.merge.export_fp8 import Fp8Options
+from sync_service.merge.fp8_checkpoint import read_fp8_checkpoint
 from sync_service.synthetic import make_adapter, make_base
+from sync_service.verify.hf import PROMPTS, reference
 from sync_service.verify.peft_oracle import save_peft_merged
+from sync_service.verify.verdict import verdict
 from tests.cli.test_cli_subprocess import one_error_line, weightsync
 from tests.cli.test_preflight import fails
 
@@ -59,3 +68,42 @@ def test_fp32_trainer_into_bf16_engines_verifies_against_peft(files, tmp_path):
         (engine,) = row["engines"]
         assert engine["verified"] and engine["weights_equal_reference"], engine
         assert engine["max_abs_diff"] == 0.0, engine  # float64 accumulation: PEFT's merge cast once, bit for bit
+
+
+FP8_BLOCK = Fp8Options(weight_block_size=(16, 16))
+
+
+@pytest.fixture(scope="module")
+def fp8_engine_base(files) -> Path:
+    """The base with another adapter merged, written as block FP8 (16x16 blocks, bf16 elsewhere)."""
+    other = make_adapter("qwen3_moe", files["base"], files["root"] / "other-lora", kind="target_parameters", r=2, seed=5)
+    merge_checkpoint(files["base"], other, files["root"] / "fp8", quantize="fp8", fp8=FP8_BLOCK, progress=False)
+    return files["root"] / "fp8"
+
+
+def test_the_fp8_verifier_passes_the_adapters_fp8_merge_and_fails_another(files, fp8_engine_base, tmp_path):
+    merge_checkpoint(files["base"], files["lora"], tmp_path / "same", quantize="fp8", fp8=FP8_BLOCK,
+                     accumulate_dtype="float64", progress=False)
+    for served_dir, want in ((tmp_path / "same", True), (fp8_engine_base, False)):
+        state, _ = read_fp8_checkpoint(served_dir)
+        table = [ParamMeta(n, wire_dtype(t.dtype), tuple(t.shape)) for n, t in state.items()]
+        assert any(m.dtype == "float8_e4m3fn" for m in table)
+        ref = reference(files["base"], files["lora"], tp=1, table=table, prompts=PROMPTS[:1])
+        got = verdict(ref, state, None, None)
+        assert got["verified"] is want and got["weights_equal_reference"] is want, (served_dir, got)
+        assert got["weights_bitwise"] is want  # float64 accumulation: transformers' quantizer's bytes exactly
+
+
+def test_fp32_trainer_into_block_fp8_engines_verifies_against_transformers_quantizer(files, fp8_engine_base, tmp_path):
+    out = tmp_path / "run.json"
+    rc, err, _ = weightsync(["sync", "--base", str(files["base"]), "--adapter", str(files["lora"]),
+                             "--engine-base", str(fp8_engine_base), "--ep", "1", "--engines", "1", "--versions", "2",
+                             "--accumulate-dtype", "float64", "--json", str(out)], ray_allowed=True)
+    assert rc == 0, err[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["ok"] and len(doc["versions"]) == 2
+    for row in doc["versions"]:
+        assert {"float32->float8_e4m3fn", "float32->bfloat16"} <= set(row["dtype_conversions"]), row
+        (engine,) = row["engines"]
+        assert engine["verified"] and engine["weights_bitwise"] and engine["generations_equal"], engine
+        assert engine["weights_equal_merge_output"] is None, engine  # compared with transformers' quantizer instead

@@ -28,8 +28,8 @@ from sync_service.merge.export_fp8 import Fp8Options, quantized_names
 from sync_service.merge.fp8_checkpoint import read_fp8_checkpoint
 from sync_service.merge.quantize import divides
 from sync_service.synthetic import make_adapter, make_base
+from sync_service.verify.fp8_oracle import transformers_quantize
 from sync_service.verify.peft_oracle import peft_merged_model
-from tests.merge.test_quantize_fp8 import transformers_quantize
 
 BLOCK = (16, 16)
 FP8 = torch.float8_e4m3fn

@@ -24,8 +24,8 @@ from sync_service.merge.errors import MergeError
 from sync_service.merge.export import merge_checkpoint
 from sync_service.merge.export_fp8 import Fp8Options
 from sync_service.synthetic import make_adapter, make_base
+from sync_service.verify.fp8_oracle import transformers_quantize
 from sync_service.verify.peft_oracle import peft_merged_model
-from tests.merge.test_quantize_fp8 import transformers_quantize
 
 FP8 = torch.float8_e4m3fn
 CASES = {  # id: (family, base dtype, block, scale_fmt)

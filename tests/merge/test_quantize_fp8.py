@@ -4,22 +4,11 @@ rounding at and next to powers of two, and aligned boxes of a tensor."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from sync_service.merge.quantize import box_aligned, divides, quantize_blocks, scale_name, scale_shape
-
-
-def transformers_quantize(key: str, values: torch.Tensor, block: tuple[int, int], scale_fmt: str) -> dict[str, torch.Tensor]:
-    """transformers' ``Fp8Quantize._quantize_one(key, values)``: ``{key: fp8, scale key: scale_inv}``, or
-    ``{key: values}`` where it passes the tensor through."""
-    from transformers import FineGrainedFP8Config
-    from transformers.integrations.finegrained_fp8 import Fp8Quantize
-
-    quantizer = SimpleNamespace(quantization_config=FineGrainedFP8Config(weight_block_size=block, scale_fmt=scale_fmt))
-    return Fp8Quantize(quantizer)._quantize_one(key, values)
+from sync_service.verify.fp8_oracle import transformers_quantize
 
 
 def reference(values: torch.Tensor, block: tuple[int, int], scale_fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
