@@ -11,8 +11,8 @@ rewards while ``push_async`` refreshes the engines, plus a control run with sync
 reward curves as a PNG (``--png``) and, with ``--json``, ``reward_curve`` / ``control_reward_curve`` /
 ``versions_seen``. Exits non-zero unless the synced reward rose and the control's did not.
 
-``weightsync demo --trainer fsdp2|ddp|ep`` runs a live training loop instead of trainer shards: 2
-training ranks train the demo model with AdamW and weightsync reads their live PEFT model in place
+``weightsync demo --trainer fsdp2|ddp|ep|hsdp|fsdp2-tp`` runs a live training loop instead of trainer shards:
+2 training ranks (4 on the 2-D meshes) train the demo model with AdamW and weightsync reads their live PEFT model in place
 (``sync_service.entrypoints.demo_live``); every version is verified against PEFT's float64 merge.
 """
 
@@ -21,9 +21,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from sync_service.entrypoints.demo_live import TRAINERS
 from sync_service.entrypoints.preflight import check_run_arguments, check_transport, fail, resolve_engines, resolve_parallel
 from sync_service.entrypoints.sync_cli import RunConfig, add_common_arguments, execute_engine, quiet_libraries, version_options
-from sync_service.synthetic.demo_files import DEMO_ADAPTER, DEMO_MODEL, ensure_files
+from sync_service.synthetic.demo_files import DEMO_ADAPTER, DEMO_MODEL, ensure_files, ensure_tp_base
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "weightsync" / "demo",
@@ -31,9 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser, versions=3)
     parser.add_argument("--rl", action="store_true",
                         help="run the toy GRPO loop with live weight refresh (and a control run without sync)")
-    parser.add_argument("--trainer", choices=("fsdp2", "ddp", "ep"), default=None,
-                        help="sync a live training loop (2 ranks: FSDP2 fully_shard, DDP or expert parallel) "
-                             "instead of trainer shards; verified against PEFT's float64 merge")
+    parser.add_argument("--trainer", choices=tuple(TRAINERS), default=None,
+                        help="sync a live training loop instead of trainer shards (fsdp2, ddp, ep: 2 ranks; "
+                             "hsdp: replicate 2 x shard 2, fsdp2-tp: shard 2 x tp 2, 4 ranks); verified against "
+                             "PEFT's float64 merge")
     parser.add_argument("--png", type=Path, default=Path("weightsync_rl_rewards.png"),
                         help="--rl: where the reward-curve PNG goes (default ./weightsync_rl_rewards.png)")
 
@@ -70,10 +72,13 @@ def _run_live(args: argparse.Namespace) -> int:
     if args.engine != "hf":
         fail(args, f"--trainer {args.trainer} verifies transformers engines; drop --engine {args.engine}")
     if args.ep is not None or args.trainers is not None or args.tp != 1:
-        fail(args, f"--trainer {args.trainer} runs 2 training ranks of its own; drop --ep / --tp / --trainers")
+        fail(args, f"--trainer {args.trainer} runs {TRAINERS[args.trainer].world} training ranks of its own; "
+                   "drop --ep / --tp / --trainers")
     check_run_arguments(args)
     quiet_libraries()
     base, _ = ensure_files(args.cache_dir)
+    if TRAINERS[args.trainer].tp_base:
+        base = ensure_tp_base(args.cache_dir)
     cfg = RunConfig(base=base, adapter=None, engine="hf", engines=args.engines or 2, versions=args.versions,
                     transport=args.transport, bucket_bytes=args.bucket_bytes, timeout_s=args.timeout,
                     json_path=args.json, metrics_port=args.metrics_port, **version_options(args))

@@ -1,18 +1,20 @@
-"""``weightsync demo --trainer fsdp2|ddp|ep``: a live training loop synced to the engines, verified.
+"""``weightsync demo --trainer fsdp2|ddp|ep|hsdp|fsdp2-tp``: a live training loop synced to the engines, verified.
 
-Two training ranks (``ExampleTrainingRank`` as threaded Ray actors, gloo) build the cached demo
-Qwen3-MoE, add PEFT LoRA on attention + experts, wrap it (FSDP2 ``fully_shard`` per layer, DDP, or
-expert parallel) and train with AdamW on an LM loss over a fixed batch (the reported loss falls); after
-every step ``push(step)``. Each version is
+Training ranks (``ExampleTrainingRank`` as threaded Ray actors, gloo; ``TRAINERS``: 2 for fsdp2 / ddp / ep,
+4 for the 2-D meshes) build the cached demo Qwen3-MoE, add PEFT LoRA on attention + experts, wrap it (FSDP2
+``fully_shard`` per layer, DDP, expert parallel, HSDP on a (replicate 2, shard 2) mesh, or FSDP2 over TP on a
+(shard 2, tp 2) mesh: ``live/example_mesh.py``) and train with AdamW on an LM loss over a fixed batch (the
+reported loss falls); after every step ``push(step)``. Each version is
 verified on every engine against an independent oracle: PEFT ``merge_and_unload`` in float64 (cast
 once) of the adapter gathered from the ranks, with the verdict of ``weightsync sync`` (``verify.verdict``:
 weights within fp32 rounding, greedy generations equal up to near-ties). ``--json``: the demo's shape plus
-``"trainer": {"kind", "world", "loss": [...]}``.
+``"trainer": {"kind", "world", "mesh": {axis: size}, "loss": [...]}``.
 """
 
 from __future__ import annotations
 
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from sync_service.entrypoints.sync_cli import (RunConfig, VersionRow, first_version, print_row, run_and_report, start_ray,
@@ -20,9 +22,35 @@ from sync_service.entrypoints.sync_cli import (RunConfig, VersionRow, first_vers
 from sync_service.entrypoints.progress import Steps
 from sync_service.entrypoints.workdir import run_dir, ray_temp
 
-__all__ = ["run_trainer_demo", "save_adapter"]
+__all__ = ["TRAINERS", "TrainerKind", "run_trainer_demo", "save_adapter"]
 
-WORLD = 2
+
+@dataclass(frozen=True)
+class TrainerKind:
+    """One ``--trainer`` choice: the example rank's ``mode``, its ``mesh`` (axis name → size; the product is the
+    number of ranks), the ``setup`` keywords that build it and whether its base needs TP-splittable attention."""
+
+    mode: str
+    mesh: dict[str, int]
+    setup: dict = field(default_factory=dict)
+    tp_base: bool = False
+
+    @property
+    def world(self) -> int:
+        out = 1
+        for size in self.mesh.values():
+            out *= size
+        return out
+
+
+TRAINERS = {
+    "fsdp2": TrainerKind("fsdp2", {"shard": 2}),
+    "ddp": TrainerKind("ddp", {"dp": 2}),
+    "ep": TrainerKind("ep", {"ep": 2}),
+    "hsdp": TrainerKind("fsdp2", {"replicate": 2, "shard": 2}, {"mesh_shape": (2, 2)}),
+    "fsdp2-tp": TrainerKind("fsdp2", {"shard": 2, "tp": 2}, {"mesh_shape": (2, 2), "tp": True}, tp_base=True),
+}
+"""``weightsync demo --trainer`` choices."""
 PROMPTS = ([5, 9, 14, 3], [7, 7, 21])
 NEW_TOKENS = 8
 
@@ -57,6 +85,7 @@ def _verify(engines, names, base: Path, adapter_dir: Path, timeout_s: float) -> 
 
 
 def _run(cfg: RunConfig, kind: str, losses: list, launcher) -> list[VersionRow]:
+    trainer = TRAINERS[kind]
     import ray
 
     from sync_service.api import WeightSync
@@ -68,11 +97,12 @@ def _run(cfg: RunConfig, kind: str, losses: list, launcher) -> list[VersionRow]:
     try:
         steps.step("starting a local Ray (2 CPUs)")
         start_ray(ray_temp(tmp))
-        steps.step(f"starting {WORLD} training ranks ({kind}), attaching weightsync")
+        steps.step(f"starting {trainer.world} training ranks ({kind}: {trainer.mesh}), attaching weightsync")
         actor = ray.remote(num_cpus=0, max_concurrency=2)(ExampleTrainingRank)
-        ranks = [actor.remote(k, WORLD) for k in range(WORLD)]
+        ranks = [actor.remote(k, trainer.world) for k in range(trainer.world)]
         host, port = ray.get(ranks[0].rendezvous.remote(), timeout=cfg.timeout_s)
-        handles = ray.get([r.setup.remote(host, port, str(cfg.base), kind) for r in ranks], timeout=cfg.timeout_s)
+        handles = ray.get([r.setup.remote(host, port, str(cfg.base), trainer.mode, **trainer.setup) for r in ranks],
+                          timeout=cfg.timeout_s)
         steps.step(f"starting {cfg.engines} engine(s)")
         engines = launcher.start_engines(cfg.base, cfg.engines, timeout_s=cfg.timeout_s)
         names = ray.get([e.engine_name.remote() for e in engines], timeout=cfg.timeout_s)
@@ -80,8 +110,8 @@ def _run(cfg: RunConfig, kind: str, losses: list, launcher) -> list[VersionRow]:
         sync = WeightSync(trainers=handles, engines=engines, config=sync_config(cfg))
         first = first_version(sync.engine_versions(), given=cfg.first_version, reset=cfg.reset_versions)
         for v in range(first, first + cfg.versions):
-            steps.step(f"version {v}: AdamW step on {WORLD} ranks, push")
-            losses.append(sum(ray.get([r.train_step.remote() for r in ranks], timeout=cfg.timeout_s)) / WORLD)
+            steps.step(f"version {v}: AdamW step on {trainer.world} ranks, push")
+            losses.append(sum(ray.get([r.train_step.remote() for r in ranks], timeout=cfg.timeout_s)) / trainer.world)
             m = sync.push(v)
             steps.step(f"version {v}: verify against PEFT's float64 merge")
             adapter = _adapter(ray.get([r.adapter_state.remote() for r in ranks], timeout=cfg.timeout_s)[0])
@@ -103,9 +133,10 @@ def _adapter(state: dict) -> dict:
 
 
 def run_trainer_demo(cfg: RunConfig, extra: dict, *, kind: str, launcher) -> int:
-    """Run the live-trainer demo (``kind``: ``"fsdp2"``, ``"ddp"`` or ``"ep"``; engines from ``launcher``,
-    a ``protocols.endpoints.Launcher``); 0 iff every version verified."""
+    """Run the live-trainer demo (``kind``: a key of ``TRAINERS``; engines from ``launcher``, a
+    ``protocols.endpoints.Launcher``; ``cfg.base``: the base of that kind, ``ensure_tp_base`` for ``tp_base``
+    ones); 0 iff every version verified."""
     losses: list[float] = []
-    trainer = {"kind": kind, "world": WORLD, "loss": losses}
+    trainer = {"kind": kind, "world": TRAINERS[kind].world, "mesh": dict(TRAINERS[kind].mesh), "loss": losses}
     return run_and_report(cfg, lambda c: _run(c, kind, losses, launcher), extra, engines=f"{cfg.engines} engine(s)",
                           json_extra={"trainer": trainer})

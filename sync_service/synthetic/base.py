@@ -8,7 +8,9 @@ so the on-disk names are exactly what a real checkpoint of the family uses.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -93,6 +95,7 @@ def make_base(
     scale: float = 0.1,
     max_shard_size: str | int = "5GB",
     with_tokenizer: bool = True,
+    config_overrides: Mapping[str, Any] | None = None,
 ) -> Path:
     """Build, randomise and save a tiny ``family`` causal LM to ``out_dir``; returns ``out_dir``.
 
@@ -108,6 +111,9 @@ def make_base(
 
     Raises:
         ValueError: unknown family or dtype, bad sizes.
+
+    ``config_overrides``: config attributes set after the family's (e.g. ``{"num_key_value_heads": 2}``: attention
+    that splits over tp=2; the family writes one KV head).
     """
     import transformers
 
@@ -121,6 +127,8 @@ def make_base(
         vocab_size=vocab_size,
         tie_word_embeddings=tie_word_embeddings,
     )
+    for key, value in (config_overrides or {}).items():
+        setattr(config, key, value)
     cls = getattr(transformers, family_spec(family).model_class)
     model = (cls.from_config if hasattr(cls, "from_config") else cls._from_config)(config, dtype=torch.float32)
     randomize_(model, seed=seed, scale=scale)

@@ -31,3 +31,21 @@ def ensure_files(cache_dir: Path) -> tuple[Path, Path]:
     make_adapter(family, base, adapter, **DEMO_ADAPTER)
     stamp.write_text(json.dumps(settings, indent=2) + "\n")
     return base, adapter
+
+
+TP_OVERRIDES = {"num_key_value_heads": 2}
+"""The TP demo base's config change: two key/value heads, so attention splits over tp=2."""
+
+
+def ensure_tp_base(cache_dir: Path) -> Path:
+    """The cached demo base with ``TP_OVERRIDES`` (``<cache_dir>/base-tp``, for ``weightsync demo --trainer
+    fsdp2-tp``); regenerated when missing or made with other settings."""
+    base, stamp = cache_dir / "base-tp", cache_dir / "settings-tp.json"
+    settings = {"model": DEMO_MODEL, "config": TP_OVERRIDES}
+    if stamp.is_file() and json.loads(stamp.read_text()) == settings and (base / "config.json").is_file():
+        return base
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    model = dict(DEMO_MODEL)
+    make_base(model.pop("family"), base, config_overrides=TP_OVERRIDES, **model)
+    stamp.write_text(json.dumps(settings, indent=2) + "\n")
+    return base
