@@ -23,7 +23,6 @@ import torch
 from protocols.endpoints import FactorCost, OpenChannel, SendReport, SendRequest, SnapshotReport
 from protocols.params import ParamMeta
 from protocols.recipe import Recipe
-from protocols.wire import SyncPlan
 from sync_service.live.checkpoint import load_rank, set_factors
 from sync_service.live.endpoint import TrainerEndpoint
 from sync_service.live.state import LiveState
@@ -46,7 +45,6 @@ class TrainerShardCore:
         self._init = dict(base_dir=base_dir, adapter_dir=adapter_dir, gather_timeout_s=gather_timeout_s)
         self.state: LiveState | None = None
         self.endpoint: TrainerEndpoint | None = None  # over ``state``; made by setup()
-        self._factors = None  # sync_service.factor_stream.trainer.FactorTrainer, in factor modes
         self._full_shapes: dict[str, tuple[int, ...]] = {}
         self._rendezvous = None  # rank 0: the trainer group's reserved listening socket (rendezvous_address)
 
@@ -111,7 +109,7 @@ class TrainerShardCore:
             self._rendezvous.close()
             self._rendezvous = None
         self.state = load_rank(base_dir, adapter_dir, self.spec, timeout_s=self._init["gather_timeout_s"])
-        self.endpoint = TrainerEndpoint(self.state, rank=self.spec.rank, source_for=self._source_for)
+        self.endpoint = TrainerEndpoint(self.state, rank=self.spec.rank)
         if adapter_dir is not None:
             from safetensors import safe_open
 
@@ -180,38 +178,24 @@ class TrainerShardCore:
     def local_base(self) -> dict[str, np.ndarray]:
         return {k: v.numpy().copy() for k, v in self._state().base.local_tensors().items()}
 
-    def _source_for(self, version: int, plan: SyncPlan):
-        """The send's source: merged boxes, or factor recipes when ``plan`` carries recipe entries."""
-        if self._factors is None or not any(e.recipe is not None for e in plan.entries):
-            return self._state().source(version)
-        return self._factors.source(self._state(), version, plan)
-
     # -- factor streaming (sync_service/factor_stream; SyncConfig.mode "factors" | "auto") ------------
     def factor_costs(self) -> tuple[FactorCost, ...]:
-        """Per changed tensor, its merged vs factor cost."""
-        return self._factor_state().costs(self._state())
+        """Per changed tensor, its merged vs factor cost (``TrainerEndpoint.factor_costs``)."""
+        return self._endpoint().factor_costs()
 
     def factor_recipes(self, names: list[str], experts_per_recipe: int, bucket_bytes: int) -> tuple[Recipe, ...]:
         """The recipe blocks of ``names``."""
-        return self._factor_state().recipes(self._state(), names, experts_per_recipe=experts_per_recipe,
-                                            bucket_bytes=bucket_bytes)
+        return self._endpoint().factor_recipes(names, experts_per_recipe, bucket_bytes)
 
     def factor_delta(self, version: int) -> tuple[str, ...]:
         """Gather ``version``'s factors (collective) and return this rank's changed recipe blocks."""
-        return tuple(self._factor_state().delta(self._state(), version, self._endpoint().plan, self.spec.rank))
+        return self._endpoint().factor_delta(version)
 
     def factor_committed(self, version: int) -> None:
-        self._factor_state().ledger.commit(version)
+        self._endpoint().factor_committed(version)
 
     def factor_forget(self) -> None:
-        self._factor_state().ledger.forget()
-
-    def _factor_state(self):
-        if self._factors is None:
-            from sync_service.factor_stream.trainer import FactorTrainer
-
-            self._factors = FactorTrainer()
-        return self._factors
+        self._endpoint().factor_forget()
 
     def _endpoint(self) -> TrainerEndpoint:
         if self.endpoint is None:

@@ -2,7 +2,9 @@
 
 Implements ``protocols.endpoints.TrainerEndpoint``: the coordinator calls, on every rank,
 ``owned_metas`` (once, to plan), ``open_transport(OpenChannel)`` (per membership), then per push
-``snapshot(v)`` and ``send(SendRequest)`` — or ``drop_snapshot(v)``. Both kinds of trainer use it:
+``snapshot(v)`` and ``send(SendRequest)`` — or ``drop_snapshot(v)``; with factor streaming
+(``SyncConfig.mode`` "factors" / "auto") also the ``factor_*`` calls (``factor_stream/trainer.py``), and a
+send whose plan carries recipe entries streams factor recipes. Both kinds of trainer use it:
 a live training rank (``attach_trainer``: a ``LiveState`` over the user's PEFT model) and the
 ``TrainerShard`` actor (``actors/trainer.py``: a ``LiveState`` over its checkpoint shard). Calls
 arrive on a thread other than the training loop's (a Ray actor method thread), so ``send`` streams
@@ -74,14 +76,11 @@ class TrainerEndpoint:
             ``OpenChannel.index``).
         before_send: called with the version at the start of every ``send``, before the factor
             gather and the first byte (an injection point: tests hold a send here).
-        source_for: ``(version, plan) -> WeightSource`` of a send (default: ``state.source(version)``);
-            the ``TrainerShard`` actor streams factor recipes through it.
     """
 
-    def __init__(self, state: SyncState, *, rank: int, before_send: Callable[[int], None] | None = None,
-                 source_for: Callable[[int, SyncPlan], object] | None = None) -> None:
+    def __init__(self, state: SyncState, *, rank: int, before_send: Callable[[int], None] | None = None) -> None:
         self.state, self.rank, self.before_send = state, rank, before_send
-        self._source_for = source_for or (lambda version, _plan: state.source(version))
+        self._factors = None  # factor_stream.trainer.FactorTrainer, made by the first factor_* call
         self.channels: dict[str, tuple] = {}
         """owner → (``Sender``, ``SyncPlan``) of each open channel."""
         self.plan: SyncPlan | None = None
@@ -128,6 +127,42 @@ class TrainerEndpoint:
 
     def drop_snapshot(self, version: int) -> None:
         self.state.drop_snapshot(version)
+
+    # -- factor streaming (SyncConfig.mode "factors" | "auto"; factor_stream/coordination.py calls these) --------
+    def factor_costs(self) -> tuple:
+        """Per changed tensor, its merged vs factor cost (``protocols.endpoints.FactorCost``)."""
+        return self._factor_trainer().costs(self.state)
+
+    def factor_recipes(self, names: list[str], experts_per_recipe: int, bucket_bytes: int) -> tuple:
+        """The recipe blocks (``protocols.recipe.Recipe``) of ``names``."""
+        return self._factor_trainer().recipes(self.state, names, experts_per_recipe=experts_per_recipe,
+                                              bucket_bytes=bucket_bytes)
+
+    def factor_delta(self, version: int) -> tuple[str, ...]:
+        """Gather ``version``'s factors (a collective over the trainer group) and return this rank's changed
+        recipe blocks."""
+        if self.plan is None:
+            raise RuntimeError(f"trainer rank {self.rank}: factor_delta before open_transport")
+        return tuple(self._factor_trainer().delta(self.state, version, self.plan, self.rank))
+
+    def factor_committed(self, version: int) -> None:
+        self._factor_trainer().ledger.commit(version)
+
+    def factor_forget(self) -> None:
+        self._factor_trainer().ledger.forget()
+
+    def _factor_trainer(self):
+        if self._factors is None:
+            from sync_service.factor_stream.trainer import FactorTrainer
+
+            self._factors = FactorTrainer()
+        return self._factors
+
+    def _source_for(self, version: int, plan: SyncPlan):
+        """The send's source: merged boxes, or factor recipes when ``plan`` carries recipe entries."""
+        if not any(e.recipe is not None for e in plan.entries):
+            return self.state.source(version)
+        return self._factor_trainer().source(self.state, version, plan)
 
     def send(self, request: SendRequest) -> SendReport:
         """Gather the factors this rank lacks, merge its owned boxes of the snapshot and stream them

@@ -83,6 +83,7 @@ class EndpointHandle:
     world: int
 
     _METHODS = frozenset({"owned_metas", "open_transport", "close_transport", "snapshot", "send", "drop_snapshot",
+                          "factor_costs", "factor_recipes", "factor_delta", "factor_committed", "factor_forget",
                           "__ray_ready__"})
 
     def __getattr__(self, name: str) -> _Method:

@@ -3,7 +3,7 @@
 A sender allocates ``spec.slots`` buffers of ``spec.bucket_bytes`` on ``spec.device`` when it opens and
 hands every receiver one handle per buffer, once: a CUDA IPC handle (``UntypedStorage._share_cuda_``)
 for ``"cuda"``, or, for ``"cpu"`` (the same class, what runs without a GPU), the path and offset of the slot in
-one shm segment of the sender (``shm.create_owned``: named for its owner's pid, swept once it is gone). Not
+one shm segment of the sender (``shm_files.create_owned``: named for its owner's pid, swept once it is gone). Not
 torch's ``file_system`` sharing: its ``torch_shm_manager`` dies with the sender's process group, and a receiver
 then aborts (``std::system_error: Broken pipe``) when it frees a slot. No handle and no allocation per bucket.
 
@@ -34,7 +34,8 @@ import numpy as np
 import torch
 
 from protocols.interfaces import TransportError
-from sync_service.transports.shm import ShmReceiver, ShmSender, create_owned, map_owned, unlink
+from sync_service.transports.shm import ShmReceiver, ShmSender
+from sync_service.transports.shm_files import create_owned, map_owned, unlink
 from sync_service.transports.spec import TransportSpec
 
 _HANDLES = b"\x00weightsync-ipc-handles\x00"

@@ -36,6 +36,7 @@ from collections import deque
 import numpy as np
 
 from protocols.interfaces import PeerLostError, TransportError
+from sync_service.transports.shm_files import OWNED, SEGMENT_PREFIX, SHM_DIR, STAGING, alive, reserve, unlink
 from sync_service.transports.spec import TransportSpec
 
 MAGIC = 0x5753484D52494E47  # "WSHMRING"
@@ -44,12 +45,6 @@ REPLY = 64 << 10
 _G_MAGIC, _G_SLOTS, _G_PAYLOAD, _G_HCAP, _G_RECV, _G_WSEQ, _G_PID, _G_CLOSED = range(8)
 _R_READ, _R_PID, _R_RSEQ, _R_RACK, _R_RLEN = range(5)
 _LIVENESS_S = 0.2
-SHM_DIR = "/dev/shm"
-SEGMENT_PREFIX = "weightsync-"
-"""Every segment's file name starts with this (``weightsync-<spec.name>-s<sender>``)."""
-_STAGING = ".init-"
-OWNED = ".pid-"
-"""A segment named ``<...>.pid-<pid>`` belongs to process ``pid`` (the sweep removes it once that process is gone)."""
 
 
 def _path(spec: TransportSpec, sender: int) -> str:
@@ -60,7 +55,7 @@ def segment_owner(path: str) -> int | None:
     """The pid of the sender that created the segment at ``path`` (``None``: not a ring segment
     or unreadable). A staging file (``<path>.init-<pid>``) or an owned one (``<path>.pid-<pid>``) names its
     creator in its name."""
-    for marker in (_STAGING, OWNED):
+    for marker in (STAGING, OWNED):
         head, sep, pid = path.rpartition(marker)
         if sep and pid.isdigit():
             return int(pid)
@@ -81,29 +76,10 @@ def sweep_orphans() -> list[str]:
     removed = []
     for entry in os.listdir(SHM_DIR):
         path = f"{SHM_DIR}/{entry}"
-        if entry.startswith(SEGMENT_PREFIX) and (pid := segment_owner(path)) is not None and not _alive(pid):
-            _unlink(path)
+        if entry.startswith(SEGMENT_PREFIX) and (pid := segment_owner(path)) is not None and not alive(pid):
+            unlink(path)
             removed.append(path)
     return removed
-
-
-def _unlink(path: str, inode: int | None = None) -> None:
-    """Remove ``path`` (when ``inode`` is given: only while it still names that file, not a newer
-    segment that took the name)."""
-    try:
-        if inode is None or os.stat(path).st_ino == inode:
-            os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def _alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie, killed but not yet reaped, counts as dead)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
 
 
 class _Segment:
@@ -147,65 +123,6 @@ def _sleep(spins: int) -> None:
     time.sleep(0 if spins < 50 else 0.0002 if spins < 2000 else 0.001)
 
 
-def create_owned(name: str, size: int) -> tuple[mmap.mmap, str]:
-    """A new zero-filled segment ``SHM_DIR/weightsync-<name>.pid-<this pid>`` of ``size`` bytes, every page
-    reserved and touched once, mapped; returns the mapping and its path. The caller unlinks it when done
-    (``unlink``); if the process dies first, the next sender's ``sweep_orphans`` does.
-
-    Raises:
-        TransportError: ``SHM_DIR`` cannot hold it (sizes and fix named)."""
-    path = f"{SHM_DIR}/{SEGMENT_PREFIX}{name}{OWNED}{os.getpid()}"
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        _reserve(fd, size, path)
-        mm = mmap.mmap(fd, size)
-    except BaseException:
-        os.unlink(path)
-        raise
-    finally:
-        os.close(fd)
-    np.frombuffer(mm, dtype=np.uint8)[:] = 0
-    return mm, path
-
-
-def map_owned(path: str, size: int) -> mmap.mmap:
-    """Map the segment another process made with ``create_owned`` (read-write).
-
-    Raises:
-        TransportError: ``path`` is not a segment of this transport, is gone, or its size is not ``size``."""
-    if not (path.startswith(f"{SHM_DIR}/{SEGMENT_PREFIX}") and "/" not in path[len(SHM_DIR) + 1:]
-            and segment_owner(path) is not None):
-        raise TransportError(f"{path!r} is not a weightsync segment in {SHM_DIR}")
-    try:
-        fd = os.open(path, os.O_RDWR)
-    except OSError as exc:
-        raise TransportError(f"segment {path}: {exc.strerror} (its sender ended?)") from exc
-    try:
-        if os.fstat(fd).st_size != size:
-            raise TransportError(f"segment {path} has {os.fstat(fd).st_size} bytes, expected {size}: spec mismatch")
-        return mmap.mmap(fd, size)
-    finally:
-        os.close(fd)
-
-
-def unlink(path: str) -> None:
-    """Remove a segment's name (no error if already gone); mappings stay valid until unmapped."""
-    _unlink(path)
-
-
-def _reserve(fd: int, size: int, path: str) -> None:
-    """Allocate every page of the segment now (``posix_fallocate``; ``ftruncate`` only sets the size and tmpfs
-    backs a page when touched): a full ``SHM_DIR`` is a ``TransportError`` (sizes, fix) at channel open, not a
-    SIGBUS that kills the writer at its first write into an unbacked page."""
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as exc:
-        st = os.statvfs(SHM_DIR)
-        raise TransportError(
-            f"shm segment {path}: {size >> 20} MiB do not fit in {SHM_DIR} ({st.f_bavail * st.f_frsize >> 20} MiB "
-            f"free): {exc.strerror}; free {SHM_DIR}, give it more room, or lower bucket_bytes / slots") from exc
-
-
 class ShmSender:
     """Sender side: creates the segment ``/dev/shm/weightsync-<name>-s<sender>``."""
 
@@ -216,8 +133,8 @@ class ShmSender:
         self.seg = _Segment(mm, spec)
         # Removes the name however this sender ends (close, collection, interpreter exit), or once
         # the receivers had their connect window and did not all come.
-        self._finalizer = weakref.finalize(self, _unlink, self.path, inode)
-        self._deadline = threading.Timer(spec.connect_timeout_s + 1.0, _unlink, (self.path, inode))
+        self._finalizer = weakref.finalize(self, unlink, self.path, inode)
+        self._deadline = threading.Timer(spec.connect_timeout_s + 1.0, unlink, (self.path, inode))
         self._deadline.daemon = True
         self._deadline.start()
         self._unlinked = False
@@ -230,12 +147,12 @@ class ShmSender:
         polling for the path never sees a half-created segment.
 
         Raises:
-            TransportError: ``SHM_DIR`` cannot hold the segment (``_reserve``)."""
-        spec, staging = self.spec, f"{self.path}{_STAGING}{os.getpid()}"
+            TransportError: ``SHM_DIR`` cannot hold the segment (``shm_files.reserve``)."""
+        spec, staging = self.spec, f"{self.path}{STAGING}{os.getpid()}"
         size = _Segment.size(spec)
         fd = os.open(staging, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            _reserve(fd, size, self.path)
+            reserve(fd, size, self.path)
             mm = mmap.mmap(fd, size)
             g = np.frombuffer(mm, dtype=np.uint8, count=64).view(np.uint64)
             np.frombuffer(mm, dtype=np.uint8)[:] = 0  # touch every page once, here
@@ -320,7 +237,7 @@ class ShmSender:
             if now >= check:
                 check = now + _LIVENESS_S
                 for r, rc in enumerate(self._live.rc):
-                    if int(rc[_R_PID]) and not _alive(int(rc[_R_PID])):
+                    if int(rc[_R_PID]) and not alive(int(rc[_R_PID])):
                         raise PeerLostError(f"shm {self.path}: receiver {r} (pid {int(rc[_R_PID])}) died")
             spins += 1
             _sleep(spins)
@@ -384,7 +301,7 @@ class ShmReceiver:
             raise TransportError(f"shm segment {path} is not a weightsync ring (bad magic)")
         seg.rc[self.receiver][_R_PID] = os.getpid()
         if all(int(rc[_R_PID]) for rc in seg.rc):
-            _unlink(path)  # the last receiver in: nothing needs the name any more
+            unlink(path)  # the last receiver in: nothing needs the name any more
         return seg
 
     def recv(self, timeout_s: float):
@@ -416,7 +333,7 @@ class ShmReceiver:
 
     def _check_senders(self) -> None:
         for s, seg in enumerate(self.segs):
-            if int(seg.g[_G_CLOSED]) or not _alive(int(seg.g[_G_PID])):
+            if int(seg.g[_G_CLOSED]) or not alive(int(seg.g[_G_PID])):
                 raise PeerLostError(f"shm {self.spec.name}: sender {s} (pid {int(seg.g[_G_PID])}) closed or died")
 
     def release(self) -> None:

@@ -2,7 +2,8 @@
 Qwen3-MoE with AdamW under HSDP (2, 2), FSDP2 ``Shard(1)``, FSDP2 × TP (``parallelize_module``
 Colwise q/k/v, Rowwise o) and HSDP × TP on a 3-D mesh (2, 1, 2); every version on every engine equals
 PEFT's float64 merge (cast once) of the gathered factors, and the pushes leave params, grads and
-optimizer state bitwise unchanged.
+optimizer state bitwise unchanged. Factor streaming from the same live HSDP ranks (``mode="factors"``: the
+engine merges the LoRA factors) serves bitwise what merged mode serves, version after version.
 
 The base has 2 key/value heads (``make_base`` writes 1), so attention's heads split over tp=2.
 """
@@ -126,6 +127,35 @@ def _train_and_push(base, engines, ranks4, tmp_path, case) -> None:
         assert set(sync.engine_versions().values()) == {2}
     finally:
         sync.close()
+
+
+def test_factor_streaming_from_live_ranks_serves_what_merged_mode_serves(base, engines, ranks4, tmp_path):
+    """Two coordinators on the same HSDP ranks: merged mode into engine 0, factor mode into engine 1."""
+    import numpy as np
+
+    from sync_service.api import SyncConfig, WeightSync
+
+    handles = setup_ranks(ranks4, base, "fsdp2", mesh_shape=(2, 2))
+    merged = WeightSync(trainers=handles, engines=engines[:1], config=SyncConfig(**CONFIG_KW))
+    factors = WeightSync(trainers=handles, engines=engines[1:], config=SyncConfig(**CONFIG_KW, mode="factors"))
+    try:
+        for step in range(3):
+            ray.get([r.train_step.remote() for r in ranks4], timeout=300)
+            digests = ray.get([r.digest.remote() for r in ranks4])
+            m, f = merged.push(step), factors.push(step)
+            assert ray.get([r.digest.remote() for r in ranks4]) == digests, "a push changed trainer state"
+            assert f.mode == "factors" and f.factor_tensors and all(e.committed for e in f.engines), f
+            if step:
+                assert f.bytes < m.bytes, (f.bytes, m.bytes)
+            a, b = (ray.get(e.state.remote(), timeout=120) for e in engines)
+            assert a.keys() == b.keys()
+            bad = [n for n in a if not np.array_equal(a[n].view(np.uint8), b[n].view(np.uint8))]
+            assert not bad, f"version {step}: factor mode differs from merged mode on {bad[:4]}"
+            assert_engines_hold(engines[1:], peft_merged(base, _adapter(ranks4), tmp_path / f"f{step}"),
+                                what=f"factors version {step}")
+    finally:
+        merged.close()
+        factors.close()
 
 
 def test_strided_rows_are_refused_by_name():
