@@ -3,7 +3,8 @@
 Rows: every family of the golden layout rows; layout columns from the derived rows; a format column is
 ticked only where ``test_oracle_matrix`` runs that adapter kind for the family (exact vs PEFT, fp32 and
 bf16), the sync column only where ``test_sync_families`` syncs it (EP=2, full + delta), the CLI column where
-it runs ``weightsync sync`` on it (``cli_families``: one family per distinct layout row). Rewrite with::
+it runs ``weightsync sync`` on it (``cli_families``: one family per distinct layout row), the FP8 column where
+``tests/e2e/test_fp8_families.py`` / ``test_fp8_engine.py`` sync it into a block-FP8 engine. Rewrite with::
 
     python -m tests.merge.test_families_table --write
 """
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from sync_service.merge.derive import layout_for
 from sync_service.synthetic import build_config
+from tests.e2e.test_fp8_families import fp8_engine_families
 from tests.merge.test_golden_layouts import GOLDEN
 from tests.merge.test_oracle_matrix import CASES as MERGE_CASES
 from tests.merge.test_sync_families import FAMILIES as SYNCED
@@ -51,14 +53,16 @@ def table() -> str:
         family, kind = case.values[0], case.values[1]
         kinds.setdefault(family, set()).add(kind)
     lines = ["| family | experts in memory | on disk (`save_pretrained`) | dense LoRA | `target_parameters` | "
-             "legacy per-expert | sync EP=2 | `weightsync sync` |", "|---|---|---|---|---|---|---|---|"]
-    by_cli = cli_families()
+             "legacy per-expert | sync EP=2 | `weightsync sync` | FP8 engine |", "|---|---|---|---|---|---|---|---|---|"]
+    by_cli, fp8 = cli_families(), fp8_engine_families()
     for family, row in sorted(rows.items()):
         name = family + (" (hand row)" if row["source"] == "hand" else "")
         ticks = ["✓" if k in kinds.get(family, ()) else "—" for k in _KINDS]
         synced = "✓" if family in SYNCED else "—"
         cli = "✓" if family in by_cli else "—"
-        lines.append(f"| {name} | {_memory(row)} | {_disk(family, row)} | {' | '.join(ticks)} | {synced} | {cli} |")
+        quantized = "✓" if family in fp8 else "—"
+        lines.append(f"| {name} | {_memory(row)} | {_disk(family, row)} | {' | '.join(ticks)} | {synced} | {cli} | "
+                     f"{quantized} |")
     return "\n".join(lines)
 
 
