@@ -1,9 +1,10 @@
-"""The live-trainer row: a user's FSDP2 training job (2 ranks, AdamW) -> 1 engine, delta sync.
+"""The live-trainer rows: a user's training job (AdamW) -> 1 engine, delta sync.
 
-Per size: two ``ExampleTrainingRank`` actors (``sync_service/live/example.py``: the same training
-rank the ``weightsync demo --trainer fsdp2`` runs) load the bench base in bf16, add PEFT LoRA of the
-bench adapter's rank on attention + experts, ``fully_shard`` it per decoder layer and ``attach_trainer``;
-one transformers engine. One untimed first (full) push, then ``repeats`` times: an AdamW step on every
+``live_fsdp2``: 2 ranks, FSDP2; ``live_hsdp``: 4 ranks on a (replicate 2, shard 2) mesh (``LIVE_KINDS``: the
+``weightsync demo --trainer`` kinds, ``entrypoints/demo_live.TRAINERS``). Per size: ``ExampleTrainingRank``
+actors (``sync_service/live/example.py``: the same training rank the demo runs) load the bench base in bf16,
+add PEFT LoRA of the bench adapter's rank on attention + experts, ``fully_shard`` it per decoder layer on the
+kind's mesh and ``attach_trainer``; one transformers engine. One untimed first (full) push, then ``repeats`` times: an AdamW step on every
 rank, then a timed delta push. Trainer extra memory (allocated) is sampled per push from right
 after its training step (the step's activations and optimizer state are training memory, not sync
 memory); ``Row.trainer_gathered_bytes`` is the endpoint's factor gather buffers (``ShardGather``), the
@@ -17,10 +18,12 @@ import ray
 from sync_service.bench.model import BenchModel
 from sync_service.bench.rows import BenchConfig, Row, median_index
 from sync_service.bench.rss import RssSampler, actor_pid
+from sync_service.entrypoints.demo_live import TRAINERS, TrainerKind
 
-__all__ = ["live_goal", "run_live"]
+__all__ = ["LIVE_KINDS", "live_goal", "run_live"]
 
-WORLD = 2
+LIVE_KINDS = {"live_fsdp2": "fsdp2", "live_hsdp": "hsdp"}
+"""Row kind -> its ``weightsync demo --trainer`` kind (mesh, ranks)."""
 
 
 def _gathered_bytes(_actor, endpoint_id: str) -> int:
@@ -30,26 +33,27 @@ def _gathered_bytes(_actor, endpoint_id: str) -> int:
     return lookup(endpoint_id).state.gathered_bytes
 
 
-def _start_ranks(model: BenchModel, timeout_s: float) -> tuple[list, list]:
+def _start_ranks(model: BenchModel, timeout_s: float, trainer: TrainerKind) -> tuple[list, list]:
     from sync_service.live.example import ExampleTrainingRank
 
     actor = ray.remote(num_cpus=0, max_concurrency=2)(ExampleTrainingRank)
-    ranks = [actor.remote(k, WORLD) for k in range(WORLD)]
+    ranks = [actor.remote(k, trainer.world) for k in range(trainer.world)]
     host, port = ray.get(ranks[0].rendezvous.remote(), timeout=timeout_s)
-    handles = ray.get([r.setup.remote(host, port, str(model.base_dir), "fsdp2", lora_r=model.shape.r,
-                                      dtype="bfloat16") for r in ranks], timeout=timeout_s)
+    handles = ray.get([r.setup.remote(host, port, str(model.base_dir), trainer.mode, lora_r=model.shape.r,
+                                      dtype="bfloat16", **trainer.setup) for r in ranks], timeout=timeout_s)
     return ranks, handles
 
 
-def run_live(model: BenchModel, cfg: BenchConfig, size: int, launcher, say=print) -> Row:
-    """The ``live_fsdp2`` row at ``size`` (see the module docstring); engines from ``launcher``. Blocks;
-    kills its actors (also when it fails)."""
+def run_live(model: BenchModel, cfg: BenchConfig, size: int, launcher, say=print, kind: str = "live_fsdp2") -> Row:
+    """The ``kind`` row (a key of ``LIVE_KINDS``) at ``size`` (see the module docstring); engines from
+    ``launcher``. Blocks; kills its actors (also when it fails)."""
     from sync_service.api import SyncConfig, WeightSync
 
-    say(f"  {size}x live FSDP2 trainer ({WORLD} ranks) -> 1 engine, delta")
+    trainer = TRAINERS[LIVE_KINDS[kind]]
+    say(f"  {size}x live {LIVE_KINDS[kind]} trainer ({trainer.world} ranks, mesh {trainer.mesh}) -> 1 engine, delta")
     ranks, engines = [], []
     try:
-        ranks, handles = _start_ranks(model, cfg.timeout_s)
+        ranks, handles = _start_ranks(model, cfg.timeout_s, trainer)
         engines = launcher.start_engines(model.base_dir, 1, timeout_s=cfg.timeout_s, prefix="live")
         groups = {"trainer": [actor_pid(r) for r in ranks], "engine": [actor_pid(e) for e in engines]}
         gathered = max(ray.get([r.__ray_call__.remote(_gathered_bytes, h.endpoint_id) for r, h in zip(ranks, handles)],
@@ -66,14 +70,14 @@ def run_live(model: BenchModel, cfg: BenchConfig, size: int, launcher, say=print
                         metrics.append(sync.push(version))
                     windows.append(window)
                     if metrics[-1].full:
-                        raise RuntimeError(f"live_fsdp2: push {version} was full, expected a delta")
+                        raise RuntimeError(f"{kind}: push {version} was full, expected a delta")
             finally:
                 sync.close()
     finally:
         for actor in [*ranks, *engines]:
             ray.kill(actor)
     best = metrics[median_index([m.seconds for m in metrics])]
-    return Row(kind="live_fsdp2", size=size, model_bytes=model.shape.bf16_bytes(), bytes=best.bytes, engines=1,
+    return Row(kind=kind, size=size, model_bytes=model.shape.bf16_bytes(), bytes=best.bytes, engines=1,
                seconds=[m.seconds for m in metrics], stages=best.stage_seconds(),
                trainer_peak_rss_bytes=rss.peak_bytes("trainer"),
                trainer_peak_extra_bytes=max(w.max_extra_bytes("trainer") for w in windows),
@@ -81,9 +85,9 @@ def run_live(model: BenchModel, cfg: BenchConfig, size: int, launcher, say=print
                engine_peak_rss_bytes=rss.peak_bytes("engine"), trainer_gathered_bytes=gathered)
 
 
-def live_goal(rows: list[Row], bucket_bytes: int) -> dict:
-    """The live row's memory goal: per size, trainer peak extra (allocated) <= 2 x bucket + gathered factors."""
-    live = {str(r.size): r for r in rows if r.kind == "live_fsdp2"}
+def live_goal(rows: list[Row], bucket_bytes: int, kind: str = "live_fsdp2") -> dict:
+    """A live row's memory goal: per size, trainer peak extra (allocated) <= 2 x bucket + gathered factors."""
+    live = {str(r.size): r for r in rows if r.kind == kind}
     value = {s: r.trainer_peak_extra_bytes for s, r in live.items()}
     budget = {s: 2 * bucket_bytes + r.trainer_gathered_bytes for s, r in live.items()}
     return {"goal": "live trainer peak extra <= 2 x bucket + gathered factors, flat in model size", "value": value,

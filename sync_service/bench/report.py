@@ -45,6 +45,7 @@ def build_report(rows: list[Row], cfg: BenchConfig, *, factor_bytes: dict[int, i
         "value": ours_extra, "budget": budget,
         "met": all(ours_extra[k] <= budget[k] for k in ours_extra) if ours_extra else None}
     all_goals["live_trainer_memory"] = live_goal(rows, cfg.bucket_bytes)
+    all_goals["live_hsdp_trainer_memory"] = live_goal(rows, cfg.bucket_bytes, "live_hsdp")
     floor_s = {r.size: r.median_s for r in rows if r.kind == "floor"}
     return {
         "command": "weightsync bench " + " ".join(machine.get("argv", [])),

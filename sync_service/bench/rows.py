@@ -20,6 +20,7 @@ ROW_KINDS = {
     "disk": "PEFT merge_and_unload + save_pretrained (safetensors) + engine from_pretrained",
     "gather": "full merged state dict gathered in one trainer, ray.put, engine ray.get + copy into its params",
     "live_fsdp2": "ours, delta sync from a live FSDP2 training job (2 ranks, AdamW step between pushes) -> 1 engine",
+    "live_hsdp": "ours, delta sync from a live HSDP training job (4 ranks, replicate 2 x shard 2, AdamW) -> 1 engine",
     "floor": "one cross-process copy of the same bytes through reused shared memory",
     "vllm_delta": "ours, delta sync, 2 trainer shards -> 1 vLLM engine in a Ray actor (--vllm)",
     "vllm_server_delta": "ours, delta sync, 2 trainer shards -> 1 stock vLLM server, weightsync backend (--vllm)",
@@ -124,7 +125,7 @@ class BenchConfig:
     def runs(self, kind: str, size: int) -> bool:
         """Whether row ``kind`` runs at ``size`` (the size plan)."""
         limit = {"full": self.full_max_size, "delta_fanout4": self.fanout_max_size, "gather": self.gather_max_size,
-                 "disk": self.disk_max_size, "live_fsdp2": self.live_max_size,
+                 "disk": self.disk_max_size, "live_fsdp2": self.live_max_size, "live_hsdp": self.live_max_size,
                  "vllm": self.vllm_max_size if self.vllm else 0}
         return size <= limit.get(kind, size)
 

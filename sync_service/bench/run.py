@@ -19,7 +19,7 @@ from pathlib import Path
 
 from sync_service.bench.baselines import run_disk, run_gather
 from sync_service.bench.floor import ShmFloor
-from sync_service.bench.live import run_live
+from sync_service.bench.live import LIVE_KINDS, run_live
 from sync_service.bench.model import ensure_model, model_for_size
 from sync_service.bench.ours import run_ours
 from sync_service.bench.report import build_report
@@ -80,8 +80,10 @@ def _one_host(model, cfg: BenchConfig, size: int, rows: list[Row], failed: list[
     if not ray.is_initialized():
         start_ray(ray_temp(tmp))
     guarded(failed, "ours", size, say, lambda: run_ours(model, cfg, size, rows, launcher, say=say))
-    if cfg.runs("live_fsdp2", size):
-        guarded(failed, "live_fsdp2", size, say, lambda: rows.append(run_live(model, cfg, size, launcher, say=say)))
+    for kind in LIVE_KINDS:
+        if cfg.runs(kind, size):
+            guarded(failed, kind, size, say,
+                    lambda k=kind: rows.append(run_live(model, cfg, size, launcher, say=say, kind=k)))
     delta = next((r for r in rows if r.kind == "delta" and r.size == size), None)
     if delta is not None:
         say(f"  {size}x floor")

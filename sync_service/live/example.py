@@ -82,22 +82,29 @@ class ExampleTrainingRank:
     def setup(self, host: str, port: int, base_dir: str, mode: str, *, lora_r: int = 2, shard_dim: int = 0,
               mesh_shape: tuple[int, ...] | None = None, tp: bool = False, restore: dict[str, np.ndarray] | None = None,
               dtype: str = "float32", **attach_kw):
-        """Join the training group, build and wrap the model, make the optimizer; attach weightsync.
-        ``lora_r`` / ``shard_dim`` (FSDP2 placement dim) / ``mesh_shape`` (FSDP2 mesh, default ``(world,)``;
-        2-D: HSDP) / ``tp`` (the last mesh axis is TP: ``example_mesh.py``) choose the sharding, or give
-        ranks differing models;
-        ``restore``: the whole adapter of a checkpoint (``adapter_state``) to resume from (not under EP);
-        ``dtype``: the torch dtype name the base is loaded in (the engines' dtype)."""
+        """Join the training group, ``build`` the model and optimizer (its arguments); attach weightsync."""
         import torch.distributed as dist
-        from peft import get_peft_model
-        from transformers import AutoModelForCausalLM
-
-        from sync_service.live import attach_trainer
 
         if dist.is_initialized():
             dist.destroy_process_group()
         dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.world,
                                 timeout=timedelta(seconds=120))
+        return self.attach(self.build(base_dir, mode, lora_r=lora_r, shard_dim=shard_dim, mesh_shape=mesh_shape, tp=tp,
+                                      restore=restore, dtype=dtype), **attach_kw)
+
+    def build(self, base_dir: str, mode: str, *, lora_r: int = 2, shard_dim: int = 0,
+              mesh_shape: tuple[int, ...] | None = None, tp: bool = False, restore: dict[str, np.ndarray] | None = None,
+              dtype: str = "float32"):
+        """Build and wrap the model and make the optimizer, over the default process group (made by
+        ``setup``, or by the job: a Ray Train worker's); returns the wrapped model (``self.model``).
+        ``lora_r`` / ``shard_dim`` (FSDP2 placement dim) / ``mesh_shape`` (FSDP2 mesh, default ``(world,)``;
+        2-D: HSDP) / ``tp`` (the last mesh axis is TP: ``example_mesh.py``) choose the sharding, or give
+        ranks differing models;
+        ``restore``: the whole adapter of a checkpoint (``adapter_state``) to resume from (not under EP);
+        ``dtype``: the torch dtype name the base is loaded in (the engines' dtype)."""
+        from peft import get_peft_model
+        from transformers import AutoModelForCausalLM
+
         self.mode, self._step = mode, 0
         base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=getattr(torch, dtype))
         if mode == "ep":
@@ -112,11 +119,17 @@ class ExampleTrainingRank:
         self._data_rank = data_rank(self.rank, mesh_shape, tp and mode == "fsdp2")  # a TP group shares a batch
         self.model = self._wrap(mode, shard_dim, mesh_shape, tp)
         self.opt = torch.optim.AdamW([p for p in self.peft.parameters() if p.requires_grad], lr=2e-2)
+        return self.model
+
+    def attach(self, model, **attach_kw):
+        """``attach_trainer(model)`` with this rank's send gate (``hold_sends``) and, under EP, its expert range."""
+        from sync_service.live import attach_trainer
+
         kw = dict(attach_kw)
-        if mode == "ep" and "expert_range" not in kw:
-            e_local = base.model.layers[0].mlp.experts.num_experts
+        if self.mode == "ep" and "expert_range" not in kw:
+            e_local = self.peft.get_base_model().model.layers[0].mlp.experts.num_experts
             kw["expert_range"] = (self.rank * e_local, (self.rank + 1) * e_local)
-        return attach_trainer(self.model, before_send=self._gate, **kw)
+        return attach_trainer(model, before_send=self._gate, **kw)
 
     def _wrap(self, mode: str, shard_dim: int, mesh_shape: tuple[int, ...], tp: bool):
         if mode == "fsdp2":

@@ -55,6 +55,8 @@ def test_every_row_ran_per_size_plan(report):
     assert set(by[("delta", 1)]["stages"]) >= {"gather_s", "merge_s", "pack_s", "transfer_s", "apply_s"}
     live = by[("live_fsdp2", 1)]  # a real FSDP2 job: LoRA on q/v + experts, so a delta below the full sync
     assert live["engines"] == 1 and 0 < live["bytes"] < by[("full", 1)]["bytes"] and live["trainer_gathered_bytes"] > 0
+    hsdp = by[("live_hsdp", 1)]  # 4 ranks on a (replicate 2, shard 2) mesh: the same tensors change
+    assert hsdp["engines"] == 1 and hsdp["bytes"] == live["bytes"] and hsdp["trainer_gathered_bytes"] > 0
 
 
 @pytest.mark.timeout(1200)
@@ -78,6 +80,8 @@ def test_json_shape_and_ratios(report):
     live = report["goals"]["live_trainer_memory"]
     assert set(live["value"]) == {"1"} and live["met"] is True
     assert live["budget"]["1"] == 2 * (1 << 20) + by[("live_fsdp2", 1)]["trainer_gathered_bytes"]
+    hsdp = report["goals"]["live_hsdp_trainer_memory"]
+    assert set(hsdp["value"]) == {"1"} and hsdp["met"] is True, hsdp
     fs = report["factor_streaming"]
     assert isinstance(fs["bytes"], int) and isinstance(fs["merged_bytes"], int) and fs["bytes"] < fs["merged_bytes"]
     assert isinstance(fs["seconds"], float) and fs["bitwise_equal"] is True
