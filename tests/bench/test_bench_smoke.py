@@ -55,6 +55,8 @@ def test_every_row_ran_per_size_plan(report):
     assert set(by[("delta", 1)]["stages"]) >= {"gather_s", "merge_s", "pack_s", "transfer_s", "apply_s"}
     live = by[("live_fsdp2", 1)]  # a real FSDP2 job: LoRA on q/v + experts, so a delta below the full sync
     assert live["engines"] == 1 and 0 < live["bytes"] < by[("full", 1)]["bytes"] and live["trainer_gathered_bytes"] > 0
+    fp8 = by[("delta_fp8", 1)]  # FP8 values (1 byte) + float32 scales per 32x32 block where bf16 sent 2 bytes
+    assert fp8["engines"] == 1 and 0.5 * by[("delta", 1)]["bytes"] < fp8["bytes"] < 0.6 * by[("delta", 1)]["bytes"]
     hsdp = by[("live_hsdp", 1)]  # 4 ranks on a (replicate 2, shard 2) mesh: the same tensors change
     assert hsdp["engines"] == 1 and hsdp["bytes"] == live["bytes"] and hsdp["trainer_gathered_bytes"] > 0
 
