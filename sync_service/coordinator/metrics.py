@@ -92,6 +92,10 @@ class SyncError(RuntimeError):
             never started moving bytes).
     """
 
-    def __init__(self, message: str, metrics: SyncMetrics | None):
+    def __init__(self, message: str, metrics: SyncMetrics | None = None):
         super().__init__(message)
         self.metrics = metrics
+
+    def __reduce__(self):
+        """Pickled with its metrics (Ray re-raises it in a caller's process: a training actor's coordinator)."""
+        return type(self), (str(self), self.metrics)

@@ -20,7 +20,7 @@ step's generation before its version is served, and a failed push fails every ra
 
 from __future__ import annotations
 
-import pickle
+import functools
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
@@ -30,7 +30,15 @@ from transformers import TrainerCallback
 from sync_service.api import SyncConfig, SyncError, SyncMetrics, WeightSync
 from sync_service.live import attach_trainer
 
-__all__ = ["WeightSyncCallback", "engine_rollout_func"]
+__all__ = ["RankZeroFailed", "WeightSyncCallback", "engine_rollout_func", "gather_handles"]
+
+
+class RankZeroFailed(SyncError):
+    """Raised on the ranks other than 0 when rank 0's coordinator failed (rank 0 raises the error itself).
+    Picklable (it crosses Ray from the rank's actor)."""
+
+    def __init__(self, message: str, metrics: SyncMetrics | None = None) -> None:
+        super().__init__(message, metrics)
 
 
 class WeightSyncCallback(TrainerCallback):
@@ -45,10 +53,12 @@ class WeightSyncCallback(TrainerCallback):
 
     Raises (from ``trainer.train()``, on every rank alike):
         AttachError / TypeError: the trainer's model is not a PEFT LoRA model (pass ``peft_config=``).
-        SyncError: a push (or ``on_push``) failed; every engine keeps serving the previous version. On
-            rank 0 the original error; on the others a ``SyncError`` naming rank 0.
-        TimeoutError / RuntimeError: a rank did not reach the handle gather or a push's outcome within
-            the bounds (``config.timeout_s``; a push: ``2·timeout_s + 120`` s).
+        SyncError / ValueError: a push failed (every engine keeps serving the previous version; a
+            ``ValueError``: a version at or below what the engines serve, see ``SyncConfig.reset_versions``),
+            or ``on_push`` raised. On rank 0 the original error (the coordinator is closed); on the other
+            ranks ``RankZeroFailed`` (a ``SyncError``) naming rank 0.
+        RuntimeError: a rank did not reach the handle gather within ``config.timeout_s``, or rank 0's
+            outcome of a push within ``2·timeout_s + 120`` s (gloo's timeout, named).
     """
 
     def __init__(self, *, engines: Sequence, config: SyncConfig | None = None,
@@ -88,6 +98,14 @@ class WeightSyncCallback(TrainerCallback):
             self.sync.close()
             self.sync = None
 
+    def _close_after(self, error: BaseException) -> None:
+        """Close the coordinator after a failure (training stops: ``on_train_end`` will not come)."""
+        try:
+            self._close()
+        except Exception as exc:  # noqa: BLE001 - the first error is the one raised
+            error.add_note(f"WeightSyncCallback: closing the coordinator after it also failed: {exc!r}")
+            self.sync = None
+
     def _on_rank0(self, work: Callable[[], None], what: str) -> None:
         """Run ``work`` on rank 0 only; every rank then learns whether it succeeded (one broadcast on the
         default group, bounded) and raises if not."""
@@ -97,13 +115,14 @@ class WeightSyncCallback(TrainerCallback):
                 work()
             except BaseException as exc:  # noqa: BLE001 - re-raised below, after the others learned of it
                 error = exc
+                self._close_after(exc)  # while the other ranks (their endpoints) still wait below
         if self.world > 1:
             flag = torch.tensor([0 if error is None else 1], dtype=torch.int64)
             _wait(torch.distributed.broadcast(flag, src=0, async_op=True), self.config.timeout_s * 2 + 120,
                   f"rank 0's {what}")
             if self.rank != 0 and int(flag[0]):
-                raise SyncError(f"WeightSyncCallback: rank 0's {what} failed (see rank 0's error); every engine "
-                                f"keeps serving its previous version", None)
+                raise RankZeroFailed(f"WeightSyncCallback: rank 0's {what} failed (see rank 0's error); training stops "
+                                     f"on every rank")
         if error is not None:
             raise error
 
@@ -149,47 +168,52 @@ def engine_rollout_func(engines: Sequence, *, max_new_tokens: int, temperature: 
     if max_new_tokens < 1 or not temperature > 0 or not engines:
         raise ValueError(f"engine_rollout_func needs max_new_tokens >= 1, temperature > 0 and engines; got "
                          f"{max_new_tokens} / {temperature} / {len(engines)} engines")
-    engines = list(engines)
+    return functools.partial(_rollout, engines=list(engines), max_new_tokens=max_new_tokens, temperature=temperature,
+                             seed=seed, timeout_s=timeout_s, check_version=check_version, on_rollout=on_rollout)
 
-    def rollout(prompts: list, trainer) -> dict:
-        import ray
 
-        if not all(isinstance(p, str) for p in prompts):
-            raise TypeError("engine_rollout_func: prompts must be strings (apply the chat template to conversational "
-                            "prompts before training)")
-        step, rank = trainer.state.global_step, trainer.accelerator.process_index
-        prompt_ids = trainer.processing_class(text=prompts)["input_ids"]
-        runs = _runs(prompts)
-        refs = [engines[(rank + g) % len(engines)].sample.remote(
-                    prompt_ids[start], max_new_tokens, count, temperature,
-                    seed * 1_000_003 + step * 10_007 + rank * 101 + g) for g, (start, count) in enumerate(runs)]
-        results = ray.get(refs, timeout=timeout_s)
-        eos = set(trainer.eos_token_ids)
-        completions, versions = [], []
-        for (tokens, version), (_, count) in zip(results, runs):
-            completions += [_cut_at_eos(t, eos) for t in tokens[:count]]
-            versions += [version] * count
-        if check_version and any(v != step for v in versions):
-            raise RuntimeError(f"engine_rollout_func: engines served versions {sorted(set(versions), key=str)} at "
-                               f"step {step}; expected {step} (add WeightSyncCallback, or check_version=False)")
-        if on_rollout is not None:
-            on_rollout(step, versions)
-        return {"prompt_ids": [list(p) for p in prompt_ids], "completion_ids": completions, "logprobs": None,
-                "weight_version": versions}
+def _rollout(prompts: list, trainer, *, engines: list, max_new_tokens: int, temperature: float, seed: int,
+             timeout_s: float, check_version: bool, on_rollout) -> dict:
+    """The rollout of ``engine_rollout_func`` (see there)."""
+    import ray
 
-    return rollout
+    if not all(isinstance(p, str) for p in prompts):
+        raise TypeError("engine_rollout_func: prompts must be strings (apply the chat template to conversational "
+                        "prompts before training)")
+    step, rank = trainer.state.global_step, trainer.accelerator.process_index
+    prompt_ids = trainer.processing_class(text=prompts)["input_ids"]
+    runs = _runs(prompts)
+    seeds = [seed * 1_000_003 + step * 10_007 + rank * 101 + g for g in range(len(runs))]
+    refs = [engines[(rank + g) % len(engines)].sample.remote(prompt_ids[start], max_new_tokens, count, temperature,
+                                                             seeds[g]) for g, (start, count) in enumerate(runs)]
+    results = ray.get(refs, timeout=timeout_s)
+    eos = set(trainer.eos_token_ids)
+    completions, versions = [], []
+    for (tokens, version), (_, count) in zip(results, runs):
+        completions += [_cut_at_eos(t, eos) for t in tokens[:count]]
+        versions += [version] * count
+    if check_version and any(v != step for v in versions):
+        raise RuntimeError(f"engine_rollout_func: engines served versions {sorted(set(versions), key=str)} at "
+                           f"step {step}; expected {step} (add WeightSyncCallback, or check_version=False)")
+    if on_rollout is not None:
+        on_rollout(step, versions)
+    return {"prompt_ids": [list(p) for p in prompt_ids], "completion_ids": completions, "logprobs": None,
+            "weight_version": versions}
 
 
 def gather_handles(handle, world: int, *, timeout_s: float) -> list:
-    """Every rank's ``handle`` in rank order (all-gather of pickled bytes on the default group, each step
-    bounded by ``timeout_s``). Collective.
+    """Every rank's ``handle`` in rank order (all-gather of ``handle_to_bytes`` on the default group, each step
+    bounded by ``timeout_s``; read back by ``handle_from_bytes``, which builds endpoint handles only). Collective.
 
     Raises:
         RuntimeError: a rank did not join within ``timeout_s`` (gloo's timeout error).
+        ValueError: a rank sent something else than its endpoint handle, or handles out of rank order.
     """
     import torch.distributed as dist
 
-    data = torch.frombuffer(bytearray(pickle.dumps(handle)), dtype=torch.uint8)
+    from sync_service.live.handle import handle_from_bytes, handle_to_bytes
+
+    data = torch.frombuffer(bytearray(handle_to_bytes(handle)), dtype=torch.uint8)
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     _wait(dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64), async_op=True), timeout_s,
           "the handle sizes")
@@ -198,14 +222,19 @@ def gather_handles(handle, world: int, *, timeout_s: float) -> list:
     padded[:data.numel()] = data
     parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
     _wait(dist.all_gather(parts, padded, async_op=True), timeout_s, "the handles")
-    return [pickle.loads(p[:int(s[0])].numpy().tobytes()) for p, s in zip(parts, sizes)]
+    handles = [handle_from_bytes(p[:int(s[0])].numpy().tobytes()) for p, s in zip(parts, sizes)]
+    if [h.rank for h in handles] != list(range(world)):
+        raise ValueError(f"WeightSyncCallback: the gathered handles name ranks {[h.rank for h in handles]}, not "
+                         f"0..{world - 1}: attach every rank of one group")
+    return handles
 
 
 def _wait(work, timeout_s: float, what: str) -> None:
     try:
         work.wait(timedelta(seconds=timeout_s))
     except RuntimeError as exc:
-        raise RuntimeError(f"WeightSyncCallback: waiting for {what} failed or timed out ({timeout_s:.0f} s): {exc}") from exc
+        raise RuntimeError(f"WeightSyncCallback: waiting for {what} failed or timed out ({timeout_s:.0f} s): "
+                           f"{exc}") from exc
 
 
 def _rank_world() -> tuple[int, int]:

@@ -12,11 +12,13 @@ while the training loop runs on another thread.
 
 from __future__ import annotations
 
+import io
+import pickle
 import threading
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["EndpointHandle", "lookup", "register", "unregister"]
+__all__ = ["EndpointHandle", "handle_from_bytes", "handle_to_bytes", "lookup", "register", "unregister"]
 
 _REGISTRY: dict[str, Any] = {}
 """Endpoint id → ``TrainerEndpoint`` of this process (what ``__ray_call__`` dispatches to)."""
@@ -90,3 +92,52 @@ class EndpointHandle:
         if name not in EndpointHandle._METHODS:
             raise AttributeError(f"a trainer endpoint has no method {name!r}")
         return _Method(self, name)
+
+
+def handle_to_bytes(handle: EndpointHandle) -> bytes:
+    """``handle`` as bytes another rank of the job reads back with ``handle_from_bytes`` (e.g. over a gloo
+    all-gather when one rank runs the coordinator)."""
+    return pickle.dumps(handle)
+
+
+def _actor_handle_class():
+    from ray.actor import ActorHandle
+
+    return ActorHandle
+
+
+class _HandleUnpickler(pickle.Unpickler):
+    """Rebuilds an ``EndpointHandle`` and nothing else: the only globals it resolves are ``EndpointHandle``,
+    Ray's ``ActorHandle`` and its ``_deserialization_helper`` (Ray's own protobuf handle format)."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("sync_service.live.handle", "EndpointHandle"):
+            return EndpointHandle
+        if (module, name) == ("ray.actor", "ActorHandle"):
+            return _actor_handle_class()
+        if (module, name) == ("builtins", "getattr"):
+            return _helper_getattr
+        raise pickle.UnpicklingError(f"an endpoint handle does not refer to {module}.{name}")
+
+
+def _helper_getattr(obj, name: str):
+    if obj is _actor_handle_class() and name == "_deserialization_helper":
+        return obj._deserialization_helper
+    raise pickle.UnpicklingError(f"an endpoint handle does not read attribute {name!r}")
+
+
+def handle_from_bytes(data: bytes) -> EndpointHandle:
+    """The ``EndpointHandle`` of ``handle_to_bytes`` (in a process of the same Ray cluster).
+
+    Raises:
+        ValueError: ``data`` is not one (anything but an endpoint handle over a Ray actor handle is refused
+            before it is built: no other class or callable is resolved).
+    """
+    try:
+        handle = _HandleUnpickler(io.BytesIO(data)).load()
+    except (pickle.UnpicklingError, EOFError, TypeError, AttributeError) as exc:
+        raise ValueError(f"not a weightsync endpoint handle: {exc}") from exc
+    if not isinstance(handle, EndpointHandle) or not isinstance(handle.actor, _actor_handle_class()):
+        raise ValueError(f"not a weightsync endpoint handle: {type(handle).__name__}")
+    return handle
+
