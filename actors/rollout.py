@@ -272,4 +272,5 @@ RolloutEngine = ray.remote(num_cpus=0, max_concurrency=4)(RolloutEngineCore)
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().cpu()
     return (t.float() if t.dtype in (torch.bfloat16, torch.float8_e4m3fn) else t).numpy().copy()  # both exact in fp32

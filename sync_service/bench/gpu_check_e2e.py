@@ -50,7 +50,7 @@ class _Engine:
     def __init__(self, base_dir: str, device: str) -> None:
         from sync_service.engines.hf import HFEngine
 
-        self.engine = HFEngine.from_pretrained(base_dir)
+        self.engine = HFEngine.from_pretrained(base_dir, device=device)
         self.channel = None
 
     def open_transport(self, request: OpenChannel) -> None:

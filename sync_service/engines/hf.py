@@ -104,7 +104,10 @@ def load_causal_lm(path: str | Path, *, dtype: torch.dtype | None = None, quanti
 
 
 class HFEngine:
-    """EngineAdapter over a transformers ``PreTrainedModel`` on CPU (implements ``protocols.EngineAdapter``).
+    """EngineAdapter over a transformers ``PreTrainedModel`` (implements ``protocols.EngineAdapter``), on the
+    device its parameters are on (``from_pretrained(device=)``): staging buffers are allocated like the served
+    tensors (``empty_like``, same device), ``apply`` copies a bucket's host view into them (H2D on a GPU),
+    prompts go to that device. CPU runs the same code.
 
     Thread safety: ``generate`` and ``commit`` may run on different threads (a threaded Ray actor);
     ``begin_update`` / ``apply`` / ``finish_update`` / ``abort`` / ``commit`` of one sync are
@@ -138,14 +141,17 @@ class HFEngine:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype | None = None,
-                        config: HFEngineConfig | None = None) -> "HFEngine":
-        """A block-FP8 checkpoint (``quantization_config`` quant_method "fp8") is served as FP8 (``engines/fp8.py``)."""
+                        config: HFEngineConfig | None = None, device: str | torch.device = "cpu") -> "HFEngine":
+        """The checkpoint at ``path`` served on ``device`` (``"cpu"``, ``"cuda"``, ``"cuda:1"``; loaded on the host,
+        then moved). A block-FP8 checkpoint (``quantization_config`` quant_method "fp8") is served as FP8
+        (``engines/fp8.py``)."""
         from sync_service.merge.fp8_checkpoint import is_fp8_checkpoint
 
+        device = torch.device(device)
         if is_fp8_checkpoint(path):
             model, fp8 = load_fp8_model(path, lambda p, **kw: load_causal_lm(p, dtype=dtype, **kw))
-            return cls(model, config=config, fp8=fp8)
-        return cls(load_causal_lm(path, dtype=dtype), config=config)
+            return cls(model.to(device), config=config, fp8={n: t.to(device) for n, t in fp8.items()})
+        return cls(load_causal_lm(path, dtype=dtype).to(device), config=config)
 
     # -- table and state -------------------------------------------------------------------
     def param_metas(self) -> Sequence[ParamMeta]:
@@ -260,7 +266,7 @@ class HFEngine:
         """
         if not prompt_token_ids or max_new_tokens < 1:
             raise ValueError(f"need a non-empty prompt and max_new_tokens >= 1, got {len(prompt_token_ids)} / {max_new_tokens}")
-        ids = torch.tensor([list(prompt_token_ids)], dtype=torch.long)
+        ids = torch.tensor([list(prompt_token_ids)], dtype=torch.long, device=self._model.device)
         with self._locked(), torch.no_grad():
             out = self._model.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
@@ -282,8 +288,8 @@ class HFEngine:
         if not prompt_token_ids or max_new_tokens < 1 or num_samples < 1 or temperature <= 0:
             raise ValueError(f"sample needs a non-empty prompt, max_new_tokens >= 1, num_samples >= 1 and "
                              f"temperature > 0; got {len(prompt_token_ids)} / {max_new_tokens} / {num_samples} / {temperature}")
-        ids = torch.tensor([list(prompt_token_ids)] * num_samples, dtype=torch.long)
-        gen = torch.Generator().manual_seed(seed)
+        ids = torch.tensor([list(prompt_token_ids)] * num_samples, dtype=torch.long, device=self._model.device)
+        gen = torch.Generator(device=self._model.device).manual_seed(seed)
         with self._locked(), torch.no_grad():
             for _ in range(max_new_tokens):
                 logits = self._model(input_ids=ids).logits[:, -1].float() / temperature

@@ -142,3 +142,22 @@ def test_load_reads_safetensors_and_never_a_pickled_checkpoint(tmp_path):
     torch.save(model.state_dict(), tmp_path / "pickled" / "pytorch_model.bin")
     with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors weights \(pickled \.bin weights are never loaded\)"):
         load_causal_lm(tmp_path / "pickled")
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                            reason="no CUDA device")])])
+def test_an_engine_on_a_device_stages_there_and_serves_what_a_host_engine_serves(tmp_path, device):
+    """``from_pretrained(device=)``: staging allocated on the served tensors' device, host buckets copied in, the
+    same tokens as a host engine after the same update (the GPU case runs where CUDA is, e.g. gpu-check's host)."""
+    tiny_model(0).save_pretrained(str(tmp_path / "base"))
+    new = {n: p.detach().clone() for n, p in tiny_model(1).named_parameters()}
+    host, dev = HFEngine.from_pretrained(tmp_path / "base"), HFEngine.from_pretrained(tmp_path / "base", device=device)
+    assert {t.device.type for t in dev.export_tensors().values()} == {device}
+    for engine in (host, dev):
+        push_all(engine, 1, new)
+    assert {n: t.cpu() for n, t in dev.state_dict().items()}.keys() == host.state_dict().keys()
+    assert all(torch.equal(t.cpu(), host.state_dict()[n]) for n, t in dev.state_dict().items())
+    if device == "cpu":  # a GPU's kernels may round differently: compared on the host only
+        assert dev.generate(PROMPT, 6).tokens == host.generate(PROMPT, 6).tokens
+    assert dev.sample(PROMPT, 3, num_samples=2, seed=5).weight_version == 1
