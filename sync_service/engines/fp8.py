@@ -8,8 +8,9 @@ fused experts, as transformers' ``FP8Linear`` / ``FP8Experts`` name them in memo
 Compute: an engine without FP8 kernels (the CPU HF engine) computes with a copy dequantized in its model's
 dtype, as transformers' ``FineGrainedFP8Config(dequantize=True)`` loads one (``quantize.dequantize_blocks``,
 bitwise its ``Fp8Dequantize``). It is refreshed after each sync's last byte: ``finish_update`` dequantizes the
-staged values and scales (as vLLM's ``process_weights_after_loading`` runs after a load) into new tensors,
-and ``commit`` swaps them in with the staged FP8 under the generation lock.
+staged values and scales (as vLLM's ``process_weights_after_loading`` runs after a load) into spare tensors,
+and ``commit`` swaps them in with the staged FP8 under the generation lock; the copies they replace become the
+next sync's spares (``keep_spare``), so a sync allocates compute copies only the first time.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class Fp8Served:
     def __init__(self, tensors: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]):
         self.tensors = dict(tensors)
         self.values = [n for n, t in self.tensors.items() if t.dtype == torch.float8_e4m3fn]
+        self._spare: dict[str, torch.Tensor] = {}
         for n in self.values:
             if n not in params or tuple(params[n].shape) != tuple(self.tensors[n].shape):
                 raise ValueError(f"FP8 tensor {n} {list(self.tensors[n].shape)} is not a parameter of the model "
@@ -66,12 +68,23 @@ class Fp8Served:
                 for n in (name, scale_name(name))]
 
     def dequantized(self, staged: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Parameter name → a new compute tensor for each FP8 tensor whose values or scales are ``staged``
-        (the other half from the served state), in the parameter's dtype. Allocates; takes no lock."""
+        """Parameter name → its next compute tensor for each FP8 tensor whose values or scales are ``staged``
+        (the other half from the served state), in the parameter's dtype: a spare (``keep_spare``) or, the first
+        time, a new tensor. Takes no lock; the caller swaps them in (``commit``) or drops them (``abort``)."""
         out = {}
         for n in self.values:
             s = scale_name(n)
             if n in staged or s in staged:
+                param = self._params[n]
+                spare = self._spare.pop(n, None)
+                if spare is None or spare.shape != param.shape or spare.dtype != param.dtype or spare.device != param.device:
+                    spare = None
                 out[n] = dequantize_blocks(staged.get(n, self.tensors[n]), staged.get(s, self.tensors[s]),
-                                           self._params[n].dtype)
+                                           param.dtype, out=spare)
         return out
+
+    def keep_spare(self, name: str, tensor: torch.Tensor) -> None:
+        """Keep ``tensor`` (the compute copy a commit replaced, or one an abort dropped) for the next sync of
+        ``name``; nothing may read it afterwards."""
+        if tensor.is_contiguous():
+            self._spare[name] = tensor

@@ -243,6 +243,7 @@ class HFEngine:
                 self._staging.keep_spare(name, param.data)
                 param.data = buffer
             for name, compute in self._dequantized.items():
+                self._fp8.keep_spare(name, self._params[name].data)
                 self._params[name].data = compute
             self._version = version
         self._dequantized = {}
@@ -251,6 +252,8 @@ class HFEngine:
     def abort(self) -> None:
         """Drop staging; the served version is untouched. Idempotent."""
         self._staging.drop()
+        for name, compute in self._dequantized.items():
+            self._fp8.keep_spare(name, compute)
         self._dequantized = {}
         self._finished = False
 

@@ -100,12 +100,25 @@ def quantize_blocks(values: torch.Tensor, block: tuple[int, int], scale_fmt: str
     return q, inv
 
 
-def dequantize_blocks(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+DEQUANTIZE_CHUNK = 1 << 22
+"""Elements dequantized per step of ``dequantize_blocks`` (bounds its float32 temporaries to 32 MiB)."""
+
+
+def dequantize_blocks(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
     """``q`` (float8_e4m3fn ``[.., N, K]``) × its block ``scales`` (``[.., N/bm, K/bn]``) in ``dtype``: the
     operations of transformers' ``Fp8Dequantize._dequantize_one`` in order (both to float32, one product per
-    element, one cast), so bitwise what ``FineGrainedFP8Config(dequantize=True)`` loads. A new tensor."""
+    element, one cast), so bitwise what ``FineGrainedFP8Config(dequantize=True)`` loads. Written into ``out``
+    (contiguous, ``q``'s shape, ``dtype``; reused across syncs) or a new tensor, one block row of
+    ``DEQUANTIZE_CHUNK`` elements' worth at a time (the float32 temporaries never hold the whole tensor)."""
     rows, cols = q.shape[-2:]
     scale_rows, scale_cols = scales.shape[-2:]
-    qf = q.to(torch.float32).reshape(-1, scale_rows, rows // scale_rows, scale_cols, cols // scale_cols)
-    sf = scales.to(torch.float32).reshape(-1, scale_rows, scale_cols).unsqueeze(-1).unsqueeze(2)
-    return (qf * sf).to(dtype).reshape(q.shape)
+    if out is None:
+        out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    qv = q.reshape(-1, rows // scale_rows, scale_cols, cols // scale_cols)  # one block row per index
+    sv = scales.reshape(-1, 1, scale_cols, 1)
+    ov = out.view(qv.shape)
+    step = max(1, DEQUANTIZE_CHUNK // (qv[0].numel() or 1))
+    for i in range(0, qv.shape[0], step):
+        ov[i:i + step] = (qv[i:i + step].to(torch.float32) * sv[i:i + step].to(torch.float32)).to(dtype)
+    return out

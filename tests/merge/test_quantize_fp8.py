@@ -87,3 +87,16 @@ def test_shapes_the_block_does_not_divide_are_refused():
     assert scale_shape((4, 64, 32), (16, 16)) == (4, 4, 2)
     assert scale_name("a.q_proj.weight") == "a.q_proj.weight_scale_inv"
     assert scale_name("a.experts.gate_up_proj") == "a.experts.gate_up_proj_scale_inv"
+
+
+@pytest.mark.parametrize("shape", [(64, 96), (3, 32, 48)])
+def test_dequantize_in_chunks_into_a_reused_buffer_is_transformers_dequantize(monkeypatch, shape):
+    from sync_service.merge import quantize
+    from sync_service.verify.fp8_oracle import transformers_dequantize
+
+    q, scales = quantize_blocks(torch.randn(shape, generator=torch.Generator().manual_seed(3)) * 3, (16, 16))
+    want = transformers_dequantize(q, scales, torch.bfloat16)
+    monkeypatch.setattr(quantize, "DEQUANTIZE_CHUNK", 16 * 48)  # several steps per tensor
+    out = torch.full(shape, 7.0, dtype=torch.bfloat16)
+    got = quantize.dequantize_blocks(q, scales, torch.bfloat16, out=out)
+    assert got is out and torch.equal(got.view(torch.int16), want.view(torch.int16))
