@@ -1,4 +1,4 @@
-"""``weightsync`` command line: one sub-command per module, imported lazily.
+"""weightsync: stream merged LoRA weights from trainers to rollout engines (demo, sync, run, merge, bench, ...).
 
 Each sub-command module exposes ``add_arguments(parser: argparse.ArgumentParser) -> None`` and
 ``run(args: argparse.Namespace) -> int``. Lazy import keeps ``weightsync merge`` free of Ray.

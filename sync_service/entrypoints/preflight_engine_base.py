@@ -79,7 +79,7 @@ def _fp8_values(args: argparse.Namespace, engine_base: Path, quant: dict,
                    f"(quant_method fp8, weight_block_size, float32 scales), e.g. weightsync merge --quantize fp8")
     if not any(dtype == "float8_e4m3fn" for dtype, _ in tensors.values()):
         fail(args, f"--engine-base {engine_base}: quantization_config says fp8 but it holds no float8_e4m3fn tensor; "
-                   f"write it with weightsync merge --quantize fp8")
+                   f"write it with weightsync merge --quantize fp8 and a --weight-block-size that divides its tensors")
     for name, (dtype, shape) in sorted(tensors.items()):
         if dtype != "float8_e4m3fn":
             continue

@@ -17,9 +17,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base", required=True, type=Path, help="base checkpoint directory")
     parser.add_argument("--adapter", type=Path, default=None, help="PEFT LoRA adapter directory (optional)")
     parser.add_argument("--engine-base", type=Path, default=None, metavar="DIR",
-                        help="the checkpoint the engines load (default: --base), e.g. the base in the serving dtype: "
-                             "each tensor is merged in the accumulation dtype and cast once into the engine's "
-                             "(--engine hf; docs/merge.md)")
+                        help="the checkpoint the engines load (default: --base): the base in the serving dtype (each "
+                             "tensor merged in the accumulation dtype and cast once into the engine's) or in block FP8 "
+                             "(weightsync merge --quantize fp8: quantized once per block on the trainers); --engine hf; "
+                             "docs/merge.md")
     parser.add_argument("--secret-file", type=Path, default=None,
                         help="file holding the HMAC key that authenticates every bucket (>= 16 bytes, not group/"
                              "world-writable; default: $WEIGHTSYNC_SECRET_FILE, else a fresh random key per run)")

@@ -220,9 +220,29 @@ def merge_checkpoint(
     source = MergedSource(base, adapter, config=config)
     writer = Fp8Writer(source, fp8, quantized, TORCH_DTYPES[dtype]) if fp8 else _PlainWriter(source)
     shards = _plan_shards(source, writer, target, max_shard_bytes)
+    if fp8 is not None:
+        _check_something_quantized(writer, shards, fp8)
     setup_s = time.perf_counter() - t0
     total = _write_output(source, writer, target, shards, base_dir, out_dir, dtype, progress, fp8)
     return _summary(source, writer, shards, total, time.perf_counter() - t0, setup_s)
+
+
+def _check_something_quantized(writer, shards: list[list[tuple[str, Piece]]], fp8: Fp8Options) -> None:
+    """Raises MergeError (before anything is written) when no tensor would be FP8: the block divides none of the
+    tensors transformers quantizes (a small model under the default 128 x 128), or it quantizes none."""
+    pieces = [(n, p) for shard in shards for n, p in shard if n in writer.quantized]
+    if any(len(writer.outputs(n, p)) == 2 for n, p in pieces):
+        return
+    if not pieces:
+        raise MergeError("--quantize fp8: transformers quantizes no tensor of this model (no nn.Linear / FP8 "
+                         "experts it replaces); nothing would be FP8 — merge without --quantize")
+    common = math.gcd(*(d for _, p in pieces for d in p.shape[-2:]))
+    side = min(128, common & -common)  # the largest power of two dividing every such dim
+    block = ",".join(map(str, fp8.weight_block_size))
+    name, piece = pieces[0]
+    raise MergeError(f"--quantize fp8: --weight-block-size {block} divides none of the tensors transformers quantizes "
+                     f"(e.g. {piece.name} {list(piece.shape)}); nothing would be FP8 — pass a block that divides them, "
+                     f"e.g. --weight-block-size {side},{side}")
 
 
 def _summary(source: MergedSource, writer, shards: list[list[tuple[str, Piece]]], total: int, seconds: float,

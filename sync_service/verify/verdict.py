@@ -34,9 +34,12 @@ _NO_TOKENS = {"generations_equal": None, "tokens_identical": None, "token_bound"
               "mismatched_prompts": None}
 
 
-def weight_bound(extra_atol: float) -> str:
-    """The weight check's bound, as the JSON reports it (``peft_oracle.values_match``)."""
-    return f"8*eps(float32)*(|oracle|+max|oracle|) + 1 ulp (16-bit dtypes) + {extra_atol:g}"
+def weight_bound(extra_atol: float, *, fp8: bool = False) -> str:
+    """The weight check's bound, as the JSON reports it (``peft_oracle.values_match``); ``fp8``: the oracle holds
+    block-FP8 tensors (``verify.fp8_oracle``: transformers' ``Fp8Quantize`` of PEFT's float64 merge)."""
+    bound = f"8*eps(float32)*(|oracle|+max|oracle|) + 1 ulp (16-bit and FP8 dtypes) + {extra_atol:g}"
+    return ("FP8 values and float32 scales against transformers' Fp8Quantize of PEFT's float64 merge (1 ulp = one "
+            f"FP8 step), other tensors against that merge cast once: {bound}") if fp8 else bound
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +79,8 @@ def verdict(ref: Reference, state: Mapping[str, Any], tokens: Sequence[Sequence[
         gen = compare_tokens(ref.decodes, tokens, token_bound(ref.dtype, bitwise=bitwise))
     ok = check.ok and merge_ok is not False and (gen is None or gen.ok)
     return {"verified": bool(ok), "weights_equal_reference": check.ok, "weights_bitwise": bitwise,
-            "max_abs_diff": check.max_abs_diff, "weight_bound": weight_bound(ref.extra_atol),
+            "max_abs_diff": check.max_abs_diff,
+            "weight_bound": weight_bound(ref.extra_atol, fp8=ref.dtype == torch.float8_e4m3fn),
             "weights_equal_merge_output": merge_ok, **(_NO_TOKENS if gen is None else gen.report()),
             "mismatched_tensors": list(check.mismatched[:8]), "weight_version": version}
 

@@ -92,6 +92,7 @@ def test_the_fp8_verifier_passes_the_adapters_fp8_merge_and_fails_another(files,
         got = verdict(ref, state, None, None)
         assert got["verified"] is want and got["weights_equal_reference"] is want, (served_dir, got)
         assert got["weights_bitwise"] is want  # float64 accumulation: transformers' quantizer's bytes exactly
+        assert got["weight_bound"].startswith("FP8 values and float32 scales against transformers' Fp8Quantize")
 
 
 def test_fp32_trainer_into_block_fp8_engines_verifies_against_transformers_quantizer(files, fp8_engine_base, tmp_path):

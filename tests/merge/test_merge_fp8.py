@@ -155,6 +155,29 @@ def test_refused_before_anything_is_written(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_block_that_divides_nothing_is_refused_naming_one_that_does(tmp_path, capsys):
+    """The demo-sized model (H=16, I=8: no dim divides the default 128 x 128) would get no FP8 tensor at all."""
+    from sync_service.entrypoints import merge_cli
+    import argparse
+
+    base = make_base("qwen3_moe", tmp_path / "base", hidden=32, intermediate=16, num_experts=4, vocab_size=64)
+    adapter = make_adapter("qwen3_moe", base, tmp_path / "lora", kind="target_parameters", r=2)
+    with pytest.raises(MergeError, match=r"--weight-block-size 128,128 divides none of the tensors transformers "
+                                         r"quantizes \(e\.g\. .*\); nothing would be FP8 .* e\.g\. --weight-block-size 16,16"):
+        merge_checkpoint(base, adapter, tmp_path / "out", quantize="fp8")
+    assert not (tmp_path / "out").exists()
+    capsys.readouterr()  # the generators' progress bars
+    parser = argparse.ArgumentParser()
+    merge_cli.add_arguments(parser)
+    args = parser.parse_args(["--base", str(base), "--adapter", str(adapter), "--out", str(tmp_path / "o"),
+                              "--quantize", "fp8", "--no-progress"])
+    assert merge_cli.run(args) == 2 and not (tmp_path / "o").exists()
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "e.g. --weight-block-size 16,16" in err, err
+    assert merge_checkpoint(base, adapter, tmp_path / "ok", quantize="fp8", fp8=Fp8Options(weight_block_size=(16, 16)),
+                            progress=False)["quantized"] > 0
+
+
 def test_cli_refuses_mxfp4_in_one_line(tmp_path, capsys):
     from sync_service.entrypoints import merge_cli
     import argparse
