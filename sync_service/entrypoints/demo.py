@@ -74,12 +74,16 @@ def _run_live(args: argparse.Namespace) -> int:
     if args.ep is not None or args.trainers is not None or args.tp != 1:
         fail(args, f"--trainer {args.trainer} runs {TRAINERS[args.trainer].world} training ranks of its own; "
                    "drop --ep / --tp / --trainers")
+    resolve_parallel(args)  # --engines / --versions bounds
+    engines = resolve_engines(args, adapter=None)
     check_run_arguments(args)
+    check_transport(args, TRAINERS[args.trainer].world, fix=f"drop --transport {args.transport} (--trainer "
+                    f"{args.trainer} runs {TRAINERS[args.trainer].world} ranks)")
     quiet_libraries()
     base, _ = ensure_files(args.cache_dir)
     if TRAINERS[args.trainer].tp_base:
         base = ensure_tp_base(args.cache_dir)
-    cfg = RunConfig(base=base, adapter=None, engine="hf", engines=args.engines or 2, versions=args.versions,
+    cfg = RunConfig(base=base, adapter=None, engine="hf", engines=engines, versions=args.versions,
                     transport=args.transport, bucket_bytes=args.bucket_bytes, timeout_s=args.timeout,
                     json_path=args.json, metrics_port=args.metrics_port, **version_options(args))
     return run_trainer_demo(cfg, {"model": DEMO_MODEL, "cache_dir": str(args.cache_dir)}, kind=args.trainer,

@@ -19,17 +19,40 @@ _DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat
            "F8_E4M3": "float8_e4m3fn"}  # safetensors header names
 
 
-def _header_tensors(model_dir: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """name → (dtype, shape) of every tensor in ``model_dir``'s ``*.safetensors`` (headers only)."""
+def _header_tensors(args: argparse.Namespace, flag: str, model_dir: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """name → (dtype, shape) of every tensor in ``model_dir``'s ``*.safetensors`` (headers only). Exits 2 naming
+    the file safetensors cannot read, or a directory without any."""
     from safetensors import safe_open
 
     out: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for path in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                piece = f.get_slice(name)
-                out[name] = (_DTYPES.get(piece.get_dtype(), piece.get_dtype()), tuple(piece.get_shape()))
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        fail(args, f"{flag} {model_dir}: no *.safetensors file; give a checkpoint written by save_pretrained")
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    piece = f.get_slice(name)
+                    out[name] = (_DTYPES.get(piece.get_dtype(), piece.get_dtype()), tuple(piece.get_shape()))
+        except Exception as exc:  # noqa: BLE001 - safetensors' own errors on a damaged file: one line
+            fail(args, f"{flag}: {path} is not a readable safetensors file ({type(exc).__name__}: {exc}); write it "
+                       f"again (e.g. weightsync merge)")
     return out
+
+
+def _quantization_config(args: argparse.Namespace, config: Path) -> dict:
+    """``config.json``'s ``quantization_config`` (``{}`` when absent). Exits 2 naming the file when it is not JSON or
+    the entry is not an object."""
+    if not config.is_file():
+        return {}
+    try:
+        quant = json.loads(config.read_text()).get("quantization_config") or {}
+    except (ValueError, AttributeError) as exc:
+        fail(args, f"--engine-base: {config} is not a JSON object ({exc}); give a checkpoint written by save_pretrained")
+    if not isinstance(quant, dict):
+        fail(args, f"--engine-base: {config}: quantization_config is {quant!r}, not an object; write the checkpoint "
+                   f"with weightsync merge --quantize fp8")
+    return quant
 
 
 def check_engine_base(args: argparse.Namespace, base: Path) -> None:
@@ -38,9 +61,9 @@ def check_engine_base(args: argparse.Namespace, base: Path) -> None:
     if engine_base is None:
         return
     config = engine_base / "config.json"
-    quant = (json.loads(config.read_text()).get("quantization_config") or {}) if config.is_file() else {}
+    quant = _quantization_config(args, config)
     if quant and args.engine != "hf":
-        fail(args, f"--engine-base {engine_base}: a block-FP8 checkpoint is served by --engine hf only; weightsync "
+        fail(args, f"--engine-base {engine_base}: a quantized checkpoint is served by --engine hf only (block FP8); weightsync "
                    f"does not load FP8 values and scales into vLLM yet (docs/vllm.md, FP8); give a bf16 checkpoint")
     if args.engine != "hf":
         fail(args, f"--engine-base: supported with --engine hf; --engine {args.engine} engines load --base "
@@ -49,7 +72,7 @@ def check_engine_base(args: argparse.Namespace, base: Path) -> None:
     if not engine_base.is_dir() or not config.is_file():
         fail(args, f"--engine-base {engine_base}: not a model directory (no config.json); give a checkpoint "
                    f"written by save_pretrained")
-    ours, theirs = _header_tensors(base), _header_tensors(engine_base)
+    ours, theirs = _header_tensors(args, "--base", base), _header_tensors(args, "--engine-base", engine_base)
     if quant:
         theirs = _fp8_values(args, engine_base, quant, theirs)
     if set(ours) != set(theirs):
@@ -74,9 +97,13 @@ def _fp8_values(args: argparse.Namespace, engine_base: Path, quant: dict,
     from sync_service.fp8 import scale_name
 
     block = quant.get("weight_block_size")
-    if quant.get("quant_method") != "fp8" or not block or quant.get("scale_fmt") not in (None, "float"):
+    if quant.get("quant_method") != "fp8" or quant.get("scale_fmt") not in (None, "float"):
         fail(args, f"--engine-base {engine_base}: quantization_config {quant} is not served; engines serve block FP8 "
                    f"(quant_method fp8, weight_block_size, float32 scales), e.g. weightsync merge --quantize fp8")
+    if not (isinstance(block, list) and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        fail(args, f"--engine-base {engine_base}: quantization_config weight_block_size {block!r} is not two positive "
+                   f"ints [rows, cols]; write the checkpoint with weightsync merge --quantize fp8")
     if not any(dtype == "float8_e4m3fn" for dtype, _ in tensors.values()):
         fail(args, f"--engine-base {engine_base}: quantization_config says fp8 but it holds no float8_e4m3fn tensor; "
                    f"write it with weightsync merge --quantize fp8 and a --weight-block-size that divides its tensors")

@@ -21,6 +21,7 @@ step's generation before its version is served, and a failed push fails every ra
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
@@ -160,15 +161,28 @@ def engine_rollout_func(engines: Sequence, *, max_new_tokens: int, temperature: 
 
     Raises (from the rollout):
         TypeError: a prompt that is not a string (conversational prompts: apply the chat template first).
-        ValueError: ``max_new_tokens < 1``, ``temperature <= 0``, no engines (here, at once); an empty
-            tokenized prompt (the engine's).
+        ValueError: bad arguments, all named at once (here): engines not a non-empty list of actors with
+            ``sample``, ``max_new_tokens`` not an int in [1, 2**20], ``temperature`` / ``timeout_s`` not finite
+            and > 0, ``seed`` not an int, ``on_rollout`` not callable; an empty tokenized prompt (the engine's).
         RuntimeError: ``check_version`` and an engine served another version than the step's.
         ray.exceptions.GetTimeoutError: the engines did not answer within ``timeout_s``.
     """
-    if max_new_tokens < 1 or not temperature > 0 or not engines:
-        raise ValueError(f"engine_rollout_func needs max_new_tokens >= 1, temperature > 0 and engines; got "
-                         f"{max_new_tokens} / {temperature} / {len(engines)} engines")
-    return functools.partial(_rollout, engines=list(engines), max_new_tokens=max_new_tokens, temperature=temperature,
+    engines = list(engines) if isinstance(engines, (list, tuple)) else engines
+    problems = [
+        *([] if isinstance(engines, list) and engines and all(hasattr(e, "sample") for e in engines)
+          else [f"engines={engines!r}: a non-empty list of RolloutEngine actors"]),
+        *([] if isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) and 1 <= max_new_tokens <= 1 << 20
+          else [f"max_new_tokens={max_new_tokens!r}: an int in [1, 2**20]"]),
+        *([] if isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0
+          else [f"temperature={temperature!r}: a finite number > 0"]),
+        *([] if isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0
+          else [f"timeout_s={timeout_s!r}: a finite number of seconds > 0"]),
+        *([] if isinstance(seed, int) and not isinstance(seed, bool) else [f"seed={seed!r}: an int"]),
+        *([] if on_rollout is None or callable(on_rollout) else [f"on_rollout={on_rollout!r}: a callable or None"]),
+    ]
+    if problems:
+        raise ValueError("engine_rollout_func needs " + "; ".join(problems))
+    return functools.partial(_rollout, engines=engines, max_new_tokens=max_new_tokens, temperature=temperature,
                              seed=seed, timeout_s=timeout_s, check_version=check_version, on_rollout=on_rollout)
 
 

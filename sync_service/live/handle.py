@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import pickletools
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -126,17 +127,38 @@ def _helper_getattr(obj, name: str):
     raise pickle.UnpicklingError(f"an endpoint handle does not read attribute {name!r}")
 
 
+MAX_HANDLE_BYTES = 64 << 10
+"""Bytes an endpoint handle may take (a few hundred in practice)."""
+_MAX_MEMO = 256
+
+
+def _check_opcodes(data: bytes) -> None:
+    """Refuse, without building anything, what could make unpickling allocate: more than ``MAX_HANDLE_BYTES``,
+    a memo index beyond ``_MAX_MEMO`` (pickle grows its memo to the index it is given)."""
+    if len(data) > MAX_HANDLE_BYTES:
+        raise ValueError(f"{len(data)} bytes (an endpoint handle takes at most {MAX_HANDLE_BYTES})")
+    memo = 0
+    for op, arg, _ in pickletools.genops(data):
+        if op.name in ("PUT", "BINPUT", "LONG_BINPUT", "GET", "BINGET", "LONG_BINGET") and int(arg) > _MAX_MEMO:
+            raise ValueError(f"memo index {arg}")
+        memo += op.name == "MEMOIZE"
+        if memo > _MAX_MEMO:
+            raise ValueError("too many memo entries")
+
+
 def handle_from_bytes(data: bytes) -> EndpointHandle:
     """The ``EndpointHandle`` of ``handle_to_bytes`` (in a process of the same Ray cluster).
 
     Raises:
         ValueError: ``data`` is not one (anything but an endpoint handle over a Ray actor handle is refused
-            before it is built: no other class or callable is resolved).
+            before it is built: no other class or callable is resolved; sizes and memo indices are bounded
+            first, so no input makes it allocate more than a few times its length).
     """
     try:
+        _check_opcodes(bytes(data))
         handle = _HandleUnpickler(io.BytesIO(data)).load()
-    except (pickle.UnpicklingError, EOFError, TypeError, AttributeError) as exc:
-        raise ValueError(f"not a weightsync endpoint handle: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - whatever a hostile input raises inside pickle or Ray: one error
+        raise ValueError(f"not a weightsync endpoint handle: {type(exc).__name__}: {exc}") from exc
     if not isinstance(handle, EndpointHandle) or not isinstance(handle.actor, _actor_handle_class()):
         raise ValueError(f"not a weightsync endpoint handle: {type(handle).__name__}")
     return handle

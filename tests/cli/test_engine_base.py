@@ -39,15 +39,33 @@ def files(tmp_path_factory) -> dict[str, Path]:
     config = json.loads((quantized / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [16, 16]}
     (quantized / "config.json").write_text(json.dumps(config))
-    return {"base": base, "lora": lora, "bf16": bf16, "other": other, "quantized": quantized, "root": root}
+    variants = {"zero_block": lambda c: c["quantization_config"].update(weight_block_size=[0, 16]),
+                "quant_string": lambda c: c.update(quantization_config="fp8")}
+    out = {"base": base, "lora": lora, "bf16": bf16, "other": other, "quantized": quantized, "root": root}
+    for name, change in variants.items():
+        shutil.copytree(quantized, root / name)
+        config = json.loads((root / name / "config.json").read_text())
+        change(config)
+        (root / name / "config.json").write_text(json.dumps(config))
+        out[name] = root / name
+    shutil.copytree(bf16, root / "bad_json")
+    (root / "bad_json" / "config.json").write_text("{not json")
+    shutil.copytree(bf16, root / "damaged")
+    weights = root / "damaged" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    return out | {"bad_json": root / "bad_json", "damaged": root / "damaged"}
 
 
 @pytest.mark.parametrize("case, extra, message", [
     ("other size", ("--engine-base", "{other}"), "lm_head.weight is [64, 32] there and [64, 16] in --base; give the same model"),
     ("not a model", ("--engine-base", "{root}"), "not a model directory (no config.json)"),
     ("fp8 without fp8 tensors", ("--engine-base", "{quantized}"), "says fp8 but it holds no float8_e4m3fn tensor"),
-    ("fp8 into vllm", ("--engine-base", "{quantized}", "--engine", "vllm"), "block-FP8 checkpoint is served by --engine hf only"),
+    ("fp8 into vllm", ("--engine-base", "{quantized}", "--engine", "vllm"), "quantized checkpoint is served by --engine hf only"),
     ("vllm", ("--engine-base", "{bf16}", "--engine", "vllm"), "supported with --engine hf"),
+    ("zero block", ("--engine-base", "{zero_block}"), "weight_block_size [0, 16] is not two positive ints"),
+    ("quant string", ("--engine-base", "{quant_string}"), "quantization_config is 'fp8', not an object"),
+    ("bad json", ("--engine-base", "{bad_json}"), "config.json is not a JSON object"),
+    ("damaged", ("--engine-base", "{damaged}"), "model.safetensors is not a readable safetensors file"),
 ])
 def test_a_bad_engine_base_is_refused_before_ray(files, capsys, case, extra, message):
     argv = ["sync", "--base", str(files["base"]), "--adapter", str(files["lora"]), "--ep", "1",

@@ -138,6 +138,11 @@ def test_demo_rl_refuses_bad_flags_before_ray(tmp_path, capsys):
     assert not (tmp_path / "c").exists(), "the --rl demo generated files before refusing its flags"
     live = ["demo", "--trainer", "ep", "--cache-dir", str(tmp_path / "c")]
     fails(capsys, live + ["--ep", "4"], "--trainer ep runs 2 training ranks of its own; drop --ep")
+    fails(capsys, live + ["--versions", "0"], "--versions must be >= 1, got 0")
+    fails(capsys, live + ["--engines", "0"], "--engines must be >= 1, got 0")
+    hsdp = ["demo", "--trainer", "hsdp", "--cache-dir", str(tmp_path / "c")]
+    fails(capsys, hsdp + ["--transport", "torch"], "--transport torch carries 1 trainer shard(s), got ep·tp = 4; "
+                                                   "drop --transport torch (--trainer hsdp runs 4 ranks)")
     assert not (tmp_path / "c").exists(), "the --trainer demo generated files before refusing its flags"
 
 

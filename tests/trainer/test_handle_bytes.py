@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import struct
 
 import pytest
 
@@ -40,3 +41,17 @@ def test_a_handle_round_trips_and_other_pickles_are_refused(ray_local):
         handle_from_bytes(pickle.dumps(3))
     with pytest.raises(ValueError, match="not a weightsync endpoint handle"):
         handle_from_bytes(b"garbage")
+    with pytest.raises(ValueError, match="memo index 400000000"):  # 9 bytes that would make pickle allocate GBs
+        handle_from_bytes(b"\x80\x04N" + b"r" + struct.pack("<I", 400_000_000) + b".")
+    with pytest.raises(ValueError, match="at most 65536"):
+        handle_from_bytes(b"\x80" * (1 << 17))
+
+
+def test_engine_rollout_func_names_every_bad_argument_at_once():
+    from sync_service.integrations.trl import engine_rollout_func
+
+    with pytest.raises(ValueError, match=r"engines=\[None\]: a non-empty list of RolloutEngine actors; "
+                                         r"max_new_tokens=1.5: an int in \[1, 2\*\*20\]; timeout_s=None: a finite"):
+        engine_rollout_func([None], max_new_tokens=1.5, timeout_s=None)
+    with pytest.raises(ValueError, match="engines=None"):
+        engine_rollout_func(None, max_new_tokens=4)
