@@ -113,7 +113,8 @@ def _run(cfg: RunConfig, kind: str, losses: list, launcher) -> list[VersionRow]:
             steps.step(f"version {v}: AdamW step on {trainer.world} ranks, push")
             losses.append(sum(ray.get([r.train_step.remote() for r in ranks], timeout=cfg.timeout_s)) / trainer.world)
             m = sync.push(v)
-            steps.step(f"version {v}: verify against PEFT's float64 merge")
+            steps.step(f"version {v}: loss {losses[-1]:.4f} (mean over the ranks, before the step); verify against "
+                       "PEFT's float64 merge")
             adapter = _adapter(ray.get([r.adapter_state.remote() for r in ranks], timeout=cfg.timeout_s)[0])
             adapter_dir = save_adapter(adapter, lora_config(), tmp / f"v{v}" / "adapter")
             rows.append(VersionRow.of(v, m, _verify(engines, names, cfg.base, adapter_dir, cfg.timeout_s)))
@@ -138,5 +139,9 @@ def run_trainer_demo(cfg: RunConfig, extra: dict, *, kind: str, launcher) -> int
     ones); 0 iff every version verified."""
     losses: list[float] = []
     trainer = {"kind": kind, "world": TRAINERS[kind].world, "mesh": dict(TRAINERS[kind].mesh), "loss": losses}
-    return run_and_report(cfg, lambda c: _run(c, kind, losses, launcher), extra, engines=f"{cfg.engines} engine(s)",
-                          json_extra={"trainer": trainer})
+    rc = run_and_report(cfg, lambda c: _run(c, kind, losses, launcher), extra, engines=f"{cfg.engines} engine(s)",
+                        json_extra={"trainer": trainer})
+    if losses:
+        print(f"trainer {kind} ({trainer['world']} ranks, mesh {trainer['mesh']}): loss per version "
+              + " -> ".join(f"{loss:.4f}" for loss in losses))
+    return rc
