@@ -215,32 +215,60 @@ def _rollout(prompts: list, trainer, *, engines: list, max_new_tokens: int, temp
             "weight_version": versions}
 
 
+class _HandleBox:
+    """A job's mailbox of endpoint handles (a named Ray actor): each rank ``put``s its own, rank 0 takes them all.
+    Ray carries the handles as it carries any actor argument; nothing of ours deserializes them."""
+
+    def __init__(self, world: int) -> None:
+        self.world, self.handles = world, {}
+
+    def put(self, handle) -> None:
+        self.handles[handle.rank] = handle
+
+    def all(self) -> list | None:
+        """The handles by rank (``world`` of them), or ``None`` while some are missing."""
+        return [self.handles[r] for r in sorted(self.handles)] if len(self.handles) >= self.world else None
+
+
 def gather_handles(handle, world: int, *, timeout_s: float) -> list:
-    """Every rank's ``handle`` in rank order (all-gather of ``handle_to_bytes`` on the default group, each step
-    bounded by ``timeout_s``; read back by ``handle_from_bytes``, which builds endpoint handles only). Collective.
+    """Every rank's ``EndpointHandle`` in rank order on rank 0 (``[]`` on the others). Collective: rank 0 names a
+    mailbox actor (32 hex characters broadcast on the default group, bounded by ``timeout_s``), every rank puts its
+    handle there through Ray, rank 0 waits for all of them (at most ``timeout_s``) and removes the mailbox.
 
     Raises:
-        RuntimeError: a rank did not join within ``timeout_s`` (gloo's timeout error).
-        ValueError: a rank sent something else than its endpoint handle, or handles out of rank order.
+        RuntimeError: a rank did not join the broadcast, or its handle did not arrive, within ``timeout_s``.
+        ValueError: the handles do not name ranks 0..world-1 (ranks of different groups attached).
     """
+    import time
+    import uuid
+
+    import ray
     import torch.distributed as dist
 
-    from sync_service.live.handle import handle_from_bytes, handle_to_bytes
-
-    data = torch.frombuffer(bytearray(handle_to_bytes(handle)), dtype=torch.uint8)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    _wait(dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64), async_op=True), timeout_s,
-          "the handle sizes")
-    longest = int(max(s[0] for s in sizes))
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[:data.numel()] = data
-    parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
-    _wait(dist.all_gather(parts, padded, async_op=True), timeout_s, "the handles")
-    handles = [handle_from_bytes(p[:int(s[0])].numpy().tobytes()) for p, s in zip(parts, sizes)]
+    name = torch.frombuffer(bytearray(uuid.uuid4().hex.encode()), dtype=torch.uint8)
+    box = None
+    if dist.get_rank() == 0:  # rank 0 owns the mailbox: it lives until rank 0 has every handle
+        box = ray.remote(num_cpus=0)(_HandleBox).options(name=_box_name(name)).remote(world)
+        ray.get(box.__ray_ready__.remote(), timeout=timeout_s)
+    _wait(dist.broadcast(name, src=0, async_op=True), timeout_s, "the handle mailbox's name")
+    if box is None:
+        ray.get(ray.get_actor(_box_name(name)).put.remote(handle), timeout=timeout_s)
+        return []
+    ray.get(box.put.remote(handle), timeout=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while (handles := ray.get(box.all.remote(), timeout=timeout_s)) is None:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"WeightSyncCallback: not every rank's endpoint handle arrived within {timeout_s:.0f} s")
+        time.sleep(0.05)
+    ray.kill(box)
     if [h.rank for h in handles] != list(range(world)):
         raise ValueError(f"WeightSyncCallback: the gathered handles name ranks {[h.rank for h in handles]}, not "
                          f"0..{world - 1}: attach every rank of one group")
     return handles
+
+
+def _box_name(name: torch.Tensor) -> str:
+    return f"weightsync-handles-{bytes(name.tolist()).decode('ascii', 'replace')}"
 
 
 def _wait(work, timeout_s: float, what: str) -> None:

@@ -12,14 +12,11 @@ while the training loop runs on another thread.
 
 from __future__ import annotations
 
-import io
-import pickle
-import pickletools
 import threading
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["EndpointHandle", "handle_from_bytes", "handle_to_bytes", "lookup", "register", "unregister"]
+__all__ = ["EndpointHandle", "lookup", "register", "unregister"]
 
 _REGISTRY: dict[str, Any] = {}
 """Endpoint id → ``TrainerEndpoint`` of this process (what ``__ray_call__`` dispatches to)."""
@@ -93,73 +90,3 @@ class EndpointHandle:
         if name not in EndpointHandle._METHODS:
             raise AttributeError(f"a trainer endpoint has no method {name!r}")
         return _Method(self, name)
-
-
-def handle_to_bytes(handle: EndpointHandle) -> bytes:
-    """``handle`` as bytes another rank of the job reads back with ``handle_from_bytes`` (e.g. over a gloo
-    all-gather when one rank runs the coordinator)."""
-    return pickle.dumps(handle)
-
-
-def _actor_handle_class():
-    from ray.actor import ActorHandle
-
-    return ActorHandle
-
-
-class _HandleUnpickler(pickle.Unpickler):
-    """Rebuilds an ``EndpointHandle`` and nothing else: the only globals it resolves are ``EndpointHandle``,
-    Ray's ``ActorHandle`` and its ``_deserialization_helper`` (Ray's own protobuf handle format)."""
-
-    def find_class(self, module: str, name: str):
-        if (module, name) == ("sync_service.live.handle", "EndpointHandle"):
-            return EndpointHandle
-        if (module, name) == ("ray.actor", "ActorHandle"):
-            return _actor_handle_class()
-        if (module, name) == ("builtins", "getattr"):
-            return _helper_getattr
-        raise pickle.UnpicklingError(f"an endpoint handle does not refer to {module}.{name}")
-
-
-def _helper_getattr(obj, name: str):
-    if obj is _actor_handle_class() and name == "_deserialization_helper":
-        return obj._deserialization_helper
-    raise pickle.UnpicklingError(f"an endpoint handle does not read attribute {name!r}")
-
-
-MAX_HANDLE_BYTES = 64 << 10
-"""Bytes an endpoint handle may take (a few hundred in practice)."""
-_MAX_MEMO = 256
-
-
-def _check_opcodes(data: bytes) -> None:
-    """Refuse, without building anything, what could make unpickling allocate: more than ``MAX_HANDLE_BYTES``,
-    a memo index beyond ``_MAX_MEMO`` (pickle grows its memo to the index it is given)."""
-    if len(data) > MAX_HANDLE_BYTES:
-        raise ValueError(f"{len(data)} bytes (an endpoint handle takes at most {MAX_HANDLE_BYTES})")
-    memo = 0
-    for op, arg, _ in pickletools.genops(data):
-        if op.name in ("PUT", "BINPUT", "LONG_BINPUT", "GET", "BINGET", "LONG_BINGET") and int(arg) > _MAX_MEMO:
-            raise ValueError(f"memo index {arg}")
-        memo += op.name == "MEMOIZE"
-        if memo > _MAX_MEMO:
-            raise ValueError("too many memo entries")
-
-
-def handle_from_bytes(data: bytes) -> EndpointHandle:
-    """The ``EndpointHandle`` of ``handle_to_bytes`` (in a process of the same Ray cluster).
-
-    Raises:
-        ValueError: ``data`` is not one (anything but an endpoint handle over a Ray actor handle is refused
-            before it is built: no other class or callable is resolved; sizes and memo indices are bounded
-            first, so no input makes it allocate more than a few times its length).
-    """
-    try:
-        _check_opcodes(bytes(data))
-        handle = _HandleUnpickler(io.BytesIO(data)).load()
-    except Exception as exc:  # noqa: BLE001 - whatever a hostile input raises inside pickle or Ray: one error
-        raise ValueError(f"not a weightsync endpoint handle: {type(exc).__name__}: {exc}") from exc
-    if not isinstance(handle, EndpointHandle) or not isinstance(handle.actor, _actor_handle_class()):
-        raise ValueError(f"not a weightsync endpoint handle: {type(handle).__name__}")
-    return handle
-

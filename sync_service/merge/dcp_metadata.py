@@ -1,8 +1,8 @@
 """A torch.distributed.checkpoint ``.metadata`` file read without unpickling it.
 
-DCP's ``FileSystemWriter.finish`` stores the checkpoint's ``Metadata`` with ``pickle.dump`` (torch 2.13,
-``torch/distributed/checkpoint/metadata.py`` and ``filesystem.py``). ``pickle.load`` would call whatever the
-file names, so nothing here unpickles: ``pickletools.genops`` yields the opcodes and a small stack machine
+DCP's ``FileSystemWriter.finish`` stores the checkpoint's ``Metadata`` in Python's pickle format (torch 2.13,
+``torch/distributed/checkpoint/metadata.py`` and ``filesystem.py``). Loading that format runs whatever callables
+the file names, so this module never loads it: ``pickletools.genops`` only lists the opcodes and a small stack machine
 (``_OPS``) keeps only plain values — str, int, bool, None, tuples, lists, dicts — and what ``_GLOBALS`` lists:
 
 - DCP's record classes: NEWOBJ (no arguments) makes an empty ``_Record`` that exactly one BUILD fills;
