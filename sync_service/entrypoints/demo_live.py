@@ -13,6 +13,7 @@ weights within fp32 rounding, greedy generations equal up to near-ties). ``--jso
 
 from __future__ import annotations
 
+import math
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,10 +38,7 @@ class TrainerKind:
 
     @property
     def world(self) -> int:
-        out = 1
-        for size in self.mesh.values():
-            out *= size
-        return out
+        return math.prod(self.mesh.values())
 
 
 TRAINERS = {

@@ -52,21 +52,21 @@ def transformers_dequantize(values: torch.Tensor, scales: torch.Tensor, dtype: t
     return Fp8Dequantize(_quantizer((1, 1), "float"))._dequantize_one(values, scales, dtype)
 
 
-def compute_dtype(table: Sequence[ParamMeta]) -> torch.dtype | None:
+def compute_dtype(table: Sequence[ParamMeta]) -> torch.dtype:
     """The dtype an FP8 engine computes in: the one floating dtype of its entries that are neither FP8 values
-    nor their scales (``None``: several)."""
+    nor their scales (bfloat16 when they hold several, as FP8 checkpoints ship)."""
     blocks = table_blocks(table)
     skip = set(blocks) | {scale_name(n) for n in blocks}
-    return engine_dtype([m for m in table if m.name not in skip])
+    return engine_dtype([m for m in table if m.name not in skip]) or torch.bfloat16
 
 
-def quantized_state(merged: Mapping[str, torch.Tensor], table: Sequence[ParamMeta],
-                    serving: torch.dtype) -> dict[str, torch.Tensor]:
+def quantized_state(merged: Mapping[str, torch.Tensor], table: Sequence[ParamMeta]) -> dict[str, torch.Tensor]:
     """The oracle of an engine with parameter table ``table``: from ``merged`` (PEFT's merge in float64, name →
     tensor, ``peft_oracle.model_state`` naming), every FP8 entry through ``transformers_quantize`` (fp32 input,
     float32 scales), every other floating tensor cast once into the table's dtype (names the table lacks:
-    ``serving``). Name → tensor, scales included."""
+    ``compute_dtype``). Name → tensor, scales included."""
     blocks = table_blocks(table)
+    serving = compute_dtype(table)
     dtypes = {m.name: m.dtype for m in table}
     out: dict[str, torch.Tensor] = {}
     for name, t in merged.items():

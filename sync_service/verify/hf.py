@@ -43,9 +43,8 @@ def reference(base: Path, adapter: Path | None, *, tp: int, merge_dir: Path | No
         from sync_service.verify.fp8_oracle import compute_dtype, dequantized_, quantized_state
 
         model = peft_merged_model(base, adapter, dtype=torch.float64)
-        compute = compute_dtype(table) or torch.bfloat16
-        oracle = quantized_state(model_state(model), table, compute)
-        model = dequantized_(model, oracle, table, compute)
+        oracle = quantized_state(model_state(model), table)
+        model = dequantized_(model, oracle, table, compute_dtype(table))
         return Reference(oracle=oracle, decodes=hf_decodes(model, prompts, max_new_tokens), extra_atol=extra_atol)
     model = peft_merged_model(base, adapter, dtype=dtype)
     written = None
@@ -111,10 +110,9 @@ def _weights_oracle(base: Path, adapter: Path | None, table: Sequence) -> dict[s
     """PEFT's float64 merge in an engine's table (``ParamMeta``s): each tensor cast once into its dtype, block-FP8
     ones through transformers' quantizer (``verify.fp8_oracle``)."""
     from sync_service.fp8 import table_blocks
-    from sync_service.verify.fp8_oracle import compute_dtype, quantized_state
+    from sync_service.verify.fp8_oracle import quantized_state
     from sync_service.verify.peft_oracle import model_state, peft_merged_model, peft_merged_state
 
     if not table_blocks(table):
         return peft_merged_state(base, adapter, dtypes={m.name: m.dtype for m in table})
-    merged = model_state(peft_merged_model(base, adapter, dtype=torch.float64))
-    return quantized_state(merged, table, compute_dtype(table) or torch.bfloat16)
+    return quantized_state(model_state(peft_merged_model(base, adapter, dtype=torch.float64)), table)

@@ -16,7 +16,7 @@ from sync_service.api import SyncConfig, WeightSync
 from sync_service.merge.export import merge_checkpoint
 from sync_service.merge.export_fp8 import Fp8Options
 from sync_service.synthetic import make_adapter, make_base
-from sync_service.verify.fp8_oracle import compute_dtype, quantized_state
+from sync_service.verify.fp8_oracle import quantized_state
 from sync_service.verify.peft_oracle import model_state, peft_merged_model
 from tests.merge.test_sync_families import cli_families
 
@@ -62,8 +62,7 @@ def test_ep2_trainers_sync_into_a_block_fp8_engine(ray_local, trainer_pool, file
         table = ray.get(engine.param_metas.remote(), timeout=120)
         assert sync.dtype_conversions.get(("bfloat16", "float8_e4m3fn"), 0) >= 2, sync.dtype_conversions
         assert sync.push(0).full
-        oracle = quantized_state(model_state(peft_merged_model(base, adapter, dtype=torch.float64)), table,
-                                 compute_dtype(table))
+        oracle = quantized_state(model_state(peft_merged_model(base, adapter, dtype=torch.float64)), table)
         state = ray.get(engine.state.remote(), timeout=120)
         assert state.keys() == oracle.keys(), sorted(set(state) ^ set(oracle))[:4]
         bad = [n for n, want in oracle.items() if not np.array_equal(state[n], want.float().numpy())]
