@@ -124,12 +124,12 @@ def check_transport(args: argparse.Namespace, trainers: int, *, transport: str |
 def check_sharding(args: argparse.Namespace, base: Path, ep: int, tp: int) -> None:
     """Every base tensor splits evenly under ``ep`` × ``tp`` (experts by EP, sharded dims by TP);
     read from the checkpoint's headers, before Ray starts. Exits 2 naming the tensor and dim."""
-    from sync_service.merge.base import SafetensorsBase
     from sync_service.merge.errors import MergeError
+    from sync_service.merge.fp8_base import open_base
     from sync_service.sharding.rules import ShardSpec, shard_pieces
 
     try:
-        checkpoint = SafetensorsBase(base)
+        checkpoint = open_base(base)
         metas = checkpoint.metas()
     except MergeError as exc:
         fail(args, f"--base: {exc}")
@@ -146,12 +146,12 @@ def check_adapter(args: argparse.Namespace, base: Path, adapter: Path, flag: str
     ``load_adapter``: every file, field, key, shape and factor value checked; the base's tensors are
     not read). Exits 2 with the merge's message."""
     from sync_service.merge.adapter import load_adapter
-    from sync_service.merge.base import SafetensorsBase
     from sync_service.merge.errors import MergeError
+    from sync_service.merge.fp8_base import open_base
     from sync_service.merge.source import check_untied_owned
 
     try:
-        head = SafetensorsBase(base)
+        head = open_base(base)
         lora = load_adapter(adapter, head.layout, head.metas(), tied_aliases=head.tied_aliases)
         check_untied_owned(lora, head.metas())  # engines load this base: they cannot untie its embeddings
     except MergeError as exc:

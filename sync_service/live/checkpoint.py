@@ -29,7 +29,8 @@ def load_rank(base_dir: str | Path, adapter_dir: str | Path | None, spec: ShardS
     """The prepared state of rank ``spec.rank`` of an ``ep × tp`` trainer over a checkpoint shard.
 
     Args:
-        base_dir: a transformers checkpoint directory (safetensors, any naming the merge core maps).
+        base_dir: a transformers checkpoint directory (safetensors, any naming the merge core maps); a block-FP8
+            one is held dequantized in float32 (``merge.fp8_base``), so the merge never adds to FP8 values.
         adapter_dir: a PEFT adapter directory (``adapter_model.safetensors``); ``None``: no adapter
             (full fine-tuning through ``LiveState.update_base``).
         spec: the rank's place in the mesh; ``group`` its process group (``None``: the default group).
@@ -39,10 +40,10 @@ def load_rank(base_dir: str | Path, adapter_dir: str | Path | None, spec: ShardS
         MergeError: a bad checkpoint or adapter. FileNotFoundError: no adapter_model.safetensors.
         ValueError: sizes not divisible by ep / tp.
     """
-    from sync_service.merge.base import SafetensorsBase
+    from sync_service.merge.fp8_base import open_base
     from sync_service.sharding.base import load_shard
 
-    base = load_shard(SafetensorsBase(base_dir, as_loaded=True), spec)
+    base = load_shard(open_base(base_dir, as_loaded=True), spec)  # a block-FP8 base: dequantized, float32
     peft_config, factors = None, {}
     if adapter_dir is not None:
         peft_config, full = _read_adapter(Path(adapter_dir))

@@ -30,6 +30,7 @@ from sync_service.merge.adapter import load_adapter
 from sync_service.merge.base import SafetensorsBase
 from sync_service.merge.errors import MergeError
 from sync_service.merge.export_fp8 import Fp8Options, Fp8Writer, check_quantize, quantized_names, write_quantization_config
+from sync_service.merge.fp8_base import open_base
 from sync_service.merge.inputs import read_json_object, read_safetensors
 from sync_service.merge.source import MergeConfig, MergedSource
 from sync_service.merge.targets import TARGETS, Piece, target_pieces
@@ -115,6 +116,14 @@ def _resized(base: SafetensorsBase, adapter_dir: Path):
     return ResizedBase(base, resize) if resize else base
 
 
+def _open_base(base_dir: Path, adapter_dir: Path, dtype: str | None, quantize: str | None):
+    """The merge's base (``fp8_base.open_base``: a block-FP8 one reads dequantized; ``_resized``) and output dtype:
+    ``dtype``, else bfloat16 with ``quantize``, else a block-FP8 base's ``dequantized_dtype``, else ``None``."""
+    checkpoint = open_base(base_dir)
+    dtype = dtype or ("bfloat16" if quantize else getattr(checkpoint, "dequantized_dtype", None))
+    return _resized(checkpoint, adapter_dir), dtype
+
+
 def _vocab_size(base) -> int | None:
     """V' of a ``ResizedBase`` (written to config.json), else ``None``."""
     return next((shape[0] for shape in base.shapes.values()), None) if isinstance(base, ResizedBase) else None
@@ -123,8 +132,10 @@ def _vocab_size(base) -> int | None:
 def _write_config(base_dir: Path, out: Path, dtype: str | None, untied: bool, vocab_size: int | None = None) -> None:
     """The base's config.json with ``dtype`` set, ``tie_word_embeddings`` false when the adapter
     untied the embeddings (where the base config has the flag: top level or ``text_config``), and
-    ``vocab_size`` set where the config has it when the adapter resized the vocabulary."""
+    ``vocab_size`` set where the config has it when the adapter resized the vocabulary; without the base's
+    ``quantization_config`` (the output is dequantized, or ``write_quantization_config`` writes its own)."""
     config = read_json_object(base_dir / "config.json")
+    config.pop("quantization_config", None)
     if vocab_size is not None:
         for cfg in (config, config.get("text_config")):
             if isinstance(cfg, dict) and "vocab_size" in cfg:
@@ -187,7 +198,8 @@ def merge_checkpoint(
 
     Args:
         dtype: output dtype name (``"bfloat16"``, ``"float16"``, ``"float32"``); ``None`` keeps the base's
-            (with ``quantize``: ``"bfloat16"``, the dtype of the tensors left unquantized, as FP8 checkpoints ship).
+            (with ``quantize``: ``"bfloat16"``, the dtype of the tensors left unquantized, as FP8 checkpoints ship;
+            a block-FP8 base, merged dequantized by ``fp8_base.py``: its config's dtype, as transformers loads it).
         accumulate_dtype: ``MergeConfig.accumulate_dtype`` (``"float64"``: bitwise PEFT's float64 merge, cast once).
         quantize: ``"fp8"`` writes block FP8 as transformers does (``export_fp8.py``); ``None`` does not quantize.
         fp8: block size and scale format for ``quantize="fp8"`` (default ``Fp8Options()``: 128x128, float32 scales).
@@ -211,8 +223,7 @@ def merge_checkpoint(
     _check_arguments(target, dtype, max_shard_bytes, staging_bytes, out_dir)
     check_quantize(quantize, fp8)
     fp8 = (fp8 or Fp8Options()) if quantize else None
-    dtype = dtype or ("bfloat16" if quantize else None)
-    base = _resized(SafetensorsBase(base_dir), adapter_dir)
+    base, dtype = _open_base(base_dir, adapter_dir, dtype, quantize)
     adapter = load_adapter(adapter_dir, base.layout, base.metas(), tied_aliases=base.tied_aliases)
     quantized = quantized_names(base.config, fp8) if fp8 else frozenset()
     config = MergeConfig(out_dtype=dtype, staging_bytes=staging_bytes, check_finite=True, accumulate_dtype=accumulate_dtype,

@@ -28,7 +28,7 @@ from sync_service.engines.hf import load_causal_lm
 from sync_service.merge.export import COPIED_FILES
 
 __all__ = ["StateCheck", "checkpoint_state", "compare_state", "engine_dtype", "model_state", "peft_merged_model",
-           "peft_merged_state", "save_peft_merged", "values_match"]
+           "peft_merged_state", "plain_float64", "save_peft_merged", "values_match"]
 
 
 def _serving_dtype(base_dir: Path) -> torch.dtype:
@@ -46,17 +46,49 @@ def peft_merged_model(base_dir: str | Path, adapter_dir: str | Path | None, *,
     """The base with the adapter merged by PEFT in float64, then cast once to ``dtype`` (default: the serving
     dtype, the base's; pass the engines' dtype when they serve another one, ``torch.float64`` for no cast).
 
-    ``adapter_dir=None``: the base itself (loaded in float64 and cast back: its exact values).
+    ``adapter_dir=None``: the base itself (loaded in float64 and cast back: its exact values). A block-FP8 base
+    is loaded with ``FineGrainedFP8Config(dequantize=True)`` (transformers' ``Fp8Dequantize``, fp8 × scale in
+    float32), on any host, and copied into a plain float64 model (``plain_float64``): the merge is over the
+    dequantized values, never the FP8 ones.
     Eval mode. Raises what transformers / PEFT raise for a base or adapter they cannot load.
     """
     base_dir = Path(base_dir)
-    model = load_causal_lm(base_dir, dtype=torch.float64)  # the class the checkpoint names (a VL MoE is no causal LM)
+    dequantize = _dequantize_config(base_dir)
+    model = load_causal_lm(base_dir, dtype=torch.float64,  # the class the checkpoint names (a VL MoE is no causal LM)
+                           quantization_config=dequantize)
+    if dequantize is not None:
+        model = plain_float64(model)
     if adapter_dir is not None:
         from peft import PeftModel
 
         _resize_to_adapter(model, Path(adapter_dir))
         model = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
     return model.to(dtype or _serving_dtype(base_dir)).train(False)
+
+
+def _dequantize_config(base_dir: Path):
+    """``FineGrainedFP8Config(dequantize=True)`` with a block-FP8 base's block and scale format; ``None`` for any
+    other base. Explicit because transformers dequantizes a pre-quantized FP8 model by itself only without a GPU."""
+    import json
+
+    config = base_dir / "config.json"
+    quant = (json.loads(config.read_text()).get("quantization_config") if config.is_file() else None) or {}
+    if not isinstance(quant, dict) or quant.get("quant_method") != "fp8":
+        return None
+    from transformers import FineGrainedFP8Config
+
+    return FineGrainedFP8Config(weight_block_size=quant.get("weight_block_size"), scale_fmt=quant.get("scale_fmt") or "float",
+                                dequantize=True)
+
+
+def plain_float64(model: torch.nn.Module) -> torch.nn.Module:
+    """A new model of ``model``'s class and config holding its values in float64, without its quantizer. A model
+    transformers loaded from an FP8 checkpoint with ``dequantize=True`` keeps the tensors it did not quantize in
+    bfloat16 whatever the load dtype (PEFT then merges their LoRA in float32, not float64), and cannot be
+    saved with ``save_pretrained``; the copy has neither problem."""
+    plain = type(model)(model.config).to(torch.float64)
+    plain.load_state_dict(model.state_dict(), strict=True)
+    return plain.train(False)
 
 
 def _resize_to_adapter(model: torch.nn.Module, adapter_dir: Path) -> None:
