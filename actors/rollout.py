@@ -273,4 +273,5 @@ RolloutEngine = ray.remote(num_cpus=0, max_concurrency=4)(RolloutEngineCore)
 
 def _np(t: torch.Tensor) -> np.ndarray:
     t = t.detach().cpu()
-    return (t.float() if t.dtype in (torch.bfloat16, torch.float8_e4m3fn) else t).numpy().copy()  # both exact in fp32
+    exact = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e8m0fnu)  # no numpy dtype; each exact in fp32
+    return (t.float() if t.dtype in exact else t).numpy().copy()

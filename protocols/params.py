@@ -23,6 +23,7 @@ DTYPE_BYTES: dict[str, int] = {
     "float64": 8,
     "float8_e4m3fn": 1,
     "float8_e5m2": 1,
+    "float8_e8m0fnu": 1,  # block-FP8 scales only (ue8m0: a power of two per byte), never a weight's dtype
     "int8": 1,
     "uint8": 1,
     "int16": 2,

@@ -15,10 +15,12 @@ every engine, so engines that hold one tensor in two dtypes are refused (``Dtype
 or an integer dtype that differs is left to ``validate_plan`` to refuse.
 
 Block FP8 (``sync_service.fp8``): a tensor the engines hold as ``float8_e4m3fn`` with its scales beside it is
-sent as FP8 values plus a scale companion box per owned box (``scale_meta``), produced by the rank that owns
-the box (it merges in the accumulation dtype and quantizes per block straight into the bucket). Every owned
-box must start and stop on block edges in its last two dims (``BlockAlignmentError``, naming the tensor, the
-box and the block); a delta sends a changed tensor's scales with its values (``with_scales``).
+sent as FP8 values plus a scale companion box per owned box (``scale_meta``, in the engines' scale dtype: float32
+or ue8m0), produced by the rank that owns the box (it merges in the accumulation dtype and quantizes per block
+straight into the bucket, with the rounding of that scale format). Every owned box must start and stop on block
+edges in its last two dims (``BlockAlignmentError``, naming the tensor, the box and the block: a TP split that
+cuts blocks is refused, not gathered, as vLLM refuses a TP shard off the block grid); a delta sends a changed
+tensor's scales with its values (``with_scales``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from dataclasses import replace
 
 from protocols.params import DTYPE_BYTES, MERGE_DTYPES, ParamMeta, box_numel
 from protocols.wire import MAX_HEADER_BYTES, MAX_PLAN_ENTRIES, SyncPlan, encode
-from sync_service.fp8 import FP8_WIRE, box_aligned, scale_meta, scale_name, table_blocks
+from sync_service.fp8 import FP8_WIRE, box_aligned, scale_meta, scale_name, table_blocks, table_scale_dtypes
 from sync_service.streaming.plan import build_plan, combine_plans, plan_entries, smallest_bucket_bytes
 
 __all__ = ["BlockAlignmentError", "DtypeConflictError", "PlanMismatchError", "build_sync_plan", "check_plan_size",
@@ -85,9 +87,26 @@ class BlockAlignmentError(ValueError):
 
     def __init__(self, name: str, box, block: tuple[int, int]):
         super().__init__(f"{name}: trainer box {list(box)} is not aligned to the engines' FP8 block {list(block)} in "
-                         f"its last two dims; every box must start and stop on multiples of the block (split TP rows "
-                         f"on block multiples, or serve this engine a bf16 checkpoint)")
+                         f"its last two dims; every box must start and stop on multiples of the block (a TP split "
+                         f"cuts blocks here: use a tp whose shards are block multiples, e.g. tp=1, or serve this "
+                         f"engine a checkpoint with a smaller --weight-block-size, or a bf16 one)")
         self.name, self.box, self.block = name, box, block
+
+
+def _scale_dtypes(tables: Mapping[str, Sequence[ParamMeta]]) -> dict[str, str]:
+    """FP8 value name → the wire dtype every engine holds its scales in (float32 or ue8m0's float8_e8m0fnu).
+
+    Raises:
+        DtypeConflictError: engines holding one tensor's scales in both (one bucket stream serves them all).
+    """
+    held: dict[str, dict[str, str]] = defaultdict(dict)  # scales name → engine → their dtype
+    for engine, table in tables.items():
+        for name, dtype in table_scale_dtypes(table).items():
+            held[scale_name(name)][engine] = dtype
+    conflicts = {n: engines for n, engines in held.items() if len(set(engines.values())) > 1}
+    if conflicts:
+        raise DtypeConflictError(conflicts)
+    return {name: dtype for table in tables.values() for name, dtype in table_scale_dtypes(table).items()}
 
 
 def _fp8_boxes(owned: Sequence[Sequence[ParamMeta]], tables: Mapping[str, Sequence[ParamMeta]]
@@ -97,6 +116,7 @@ def _fp8_boxes(owned: Sequence[Sequence[ParamMeta]], tables: Mapping[str, Sequen
     blocks: dict[str, tuple[int, int]] = {}
     for table in tables.values():
         blocks.update(table_blocks(table))
+    scales = _scale_dtypes(tables)
     counts: dict[tuple[str, str], int] = defaultdict(int)
     out: list[list[ParamMeta]] = []
     for ranks in owned:
@@ -113,7 +133,7 @@ def _fp8_boxes(owned: Sequence[Sequence[ParamMeta]], tables: Mapping[str, Sequen
                 continue
             if m.dtype not in MERGE_DTYPES or not box_aligned(m.covered_box(), block):
                 raise BlockAlignmentError(m.name, m.covered_box(), block)
-            out[-1] += [replace(m, dtype=FP8_WIRE), scale_meta(m, block)]
+            out[-1] += [replace(m, dtype=FP8_WIRE), scale_meta(m, block, scales[m.name])]
     sent = {m.name: m.dtype for ranks in owned for m in ranks if m.name in blocks}
     for dtype in sent.values():  # per tensor, not per box
         counts[(dtype, FP8_WIRE)] += 1

@@ -1,16 +1,18 @@
-"""Block FP8 as an engine's served state: FP8 values and float32 scales, a dequantized copy to compute with.
+"""Block FP8 as an engine's served state: FP8 values and their scales, a dequantized copy to compute with.
 
 Table rule (``sync_service.fp8``): each tensor the checkpoint quantizes is listed as ``float8_e4m3fn`` in its
 own shape, followed by its scales ``scale_name(X)`` (``X.weight_scale_inv``, or ``<fused>_scale_inv`` for
-fused experts, as transformers' ``FP8Linear`` / ``FP8Experts`` name them in memory) as float32
-``[.., N/bm, K/bn]``. Those bytes are what the engine serves: ``served()`` and readback report them.
+fused experts, as transformers' ``FP8Linear`` / ``FP8Experts`` name them in memory) ``[.., N/bm, K/bn]`` in the
+checkpoint's scale dtype: float32, or float8_e8m0fnu (``scale_fmt`` "ue8m0", powers of two). Those bytes are
+what the engine serves: ``served()`` and readback report them.
 
-Compute: an engine without FP8 kernels (the CPU HF engine) computes with a copy dequantized in its model's
-dtype, as transformers' ``FineGrainedFP8Config(dequantize=True)`` loads one (``quantize.dequantize_blocks``,
-bitwise its ``Fp8Dequantize``). It is refreshed after each sync's last byte: ``finish_update`` dequantizes the
-staged values and scales (as vLLM's ``process_weights_after_loading`` runs after a load) into spare tensors,
-and ``commit`` swaps them in with the staged FP8 under the generation lock; the copies they replace become the
-next sync's spares (``keep_spare``), so a sync allocates compute copies only the first time.
+Compute: an engine without FP8 kernels (the CPU HF engine) computes with a copy dequantized in its model's dtype,
+as transformers' ``FineGrainedFP8Config(dequantize=True)`` loads one (``quantize.dequantize_blocks``, bitwise its
+``Fp8Dequantize``: both operands to float32 — an e8m0 scale exactly — one product, one cast). It is refreshed
+after each sync's last byte: ``finish_update`` dequantizes the staged values and scales (as vLLM's
+``process_weights_after_loading`` runs after a load) into spare tensors, and ``commit`` swaps them in with the
+staged FP8 under the generation lock; the copies they replace become the next sync's spares (``keep_spare``), so a
+sync allocates compute copies only the first time.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ def load_fp8_model(path: str | Path, load) -> tuple[torch.nn.Module, dict[str, t
     from sync_service.merge.fp8_checkpoint import read_fp8_checkpoint
 
     tensors, block = read_fp8_checkpoint(path)
-    model = load(path, quantization_config=FineGrainedFP8Config(weight_block_size=list(block), dequantize=True))
+    fmt = "ue8m0" if any(t.dtype == torch.float8_e8m0fnu for t in tensors.values()) else "float"
+    model = load(path, quantization_config=FineGrainedFP8Config(weight_block_size=list(block), scale_fmt=fmt,
+                                                                 dequantize=True))
     params = dict(model.named_parameters())
     fp8 = {n: t for n, t in tensors.items() if t.dtype == torch.float8_e4m3fn and n in params}
     return model, {**fp8, **{scale_name(n): tensors[scale_name(n)] for n in fp8}}

@@ -7,8 +7,8 @@ persistent buffers (in ``state_dict``, loaded from the checkpoint: DeepSeek's
 sends only what the adapter changes, never a buffer. Tied weights (``lm_head.weight`` tied to
 ``model.embed_tokens.weight``) are reported once, under the name ``named_parameters`` keeps. Loaded from a
 block-FP8 checkpoint (``quantization_config`` quant_method "fp8"), each quantized parameter is listed as
-``float8_e4m3fn`` plus its float32 scales and served as those bytes; the model computes with a dequantized
-copy refreshed at every sync (``engines/fp8.py``).
+``float8_e4m3fn`` plus its scales (float32 or ue8m0) and served as those bytes; the model computes with a
+dequantized copy refreshed at every sync (``engines/fp8.py``).
 
 Staged apply: ``begin_update(version, names)`` takes one staging buffer per name being updated;
 ``apply`` copies received boxes into staging only; ``finish_update`` checks every staged name was

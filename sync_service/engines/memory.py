@@ -5,8 +5,8 @@ A real ``EngineAdapter`` (used by tests and benchmarks) that behaves as the tran
 every sync; never pre-filled from the served values, so a sync must cover every element of every
 tensor it announces, or ``finish_update`` refuses it); ``commit`` swaps staged and served buffers under
 a lock, so readers see either the old or the new version, never a mix. ``abort`` drops the staged state.
-Block FP8 (``from_fp8_checkpoint``): FP8 values and float32 scales are tensors like any other, under the
-table rule of ``sync_service.fp8``; the engine computes nothing, so it keeps no dequantized copy.
+Block FP8 (``from_fp8_checkpoint``): FP8 values and their scales (float32 or ue8m0) are tensors like any other,
+under the table rule of ``sync_service.fp8``; the engine computes nothing, so it keeps no dequantized copy.
 """
 
 from __future__ import annotations

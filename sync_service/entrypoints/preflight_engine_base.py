@@ -1,8 +1,9 @@
 """``weightsync sync --engine-base DIR``: the checkpoint the engines load must hold the base's tensors, in the
 base's shapes, each in a floating dtype the trainers' merge can cast into (``coordinator.planning.engine_dtypes``),
 or a block-FP8 checkpoint for ``--engine hf`` (``quantization_config`` quant_method "fp8": a quantized tensor is
-float8_e4m3fn in the base's shape with float32 ``*_scale_inv`` of the block grid beside it). Checked from the
-safetensors headers before Ray starts (no tensor is read); a bad one exits 2 in one line."""
+float8_e4m3fn in the base's shape with ``*_scale_inv`` of the block grid beside it, float32 or, with scale_fmt
+"ue8m0", float8_e8m0fnu). Checked from the safetensors headers before Ray starts (no tensor is read); a bad one
+exits 2 in one line."""
 
 from __future__ import annotations
 
@@ -15,14 +16,16 @@ from sync_service.entrypoints.preflight import fail
 
 __all__ = ["check_engine_base"]
 
-_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-           "F8_E4M3": "float8_e4m3fn"}  # safetensors header names
+_SCALE_DTYPES = {"float": "float32", "ue8m0": "float8_e8m0fnu"}
+"""``quantization_config.scale_fmt`` → the wire dtype of the scales (``merge.quantize.scale_dtype``; no torch here)."""
 
 
 def _header_tensors(args: argparse.Namespace, flag: str, model_dir: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """name → (dtype, shape) of every tensor in ``model_dir``'s ``*.safetensors`` (headers only). Exits 2 naming
     the file safetensors cannot read, or a directory without any."""
     from safetensors import safe_open
+
+    from sync_service.dtypes import SAFETENSORS_DTYPES  # the header tags (safe_open imports torch anyway)
 
     out: dict[str, tuple[str, tuple[int, ...]]] = {}
     files = sorted(model_dir.glob("*.safetensors"))
@@ -33,7 +36,7 @@ def _header_tensors(args: argparse.Namespace, flag: str, model_dir: Path) -> dic
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
                     piece = f.get_slice(name)
-                    out[name] = (_DTYPES.get(piece.get_dtype(), piece.get_dtype()), tuple(piece.get_shape()))
+                    out[name] = (SAFETENSORS_DTYPES.get(piece.get_dtype(), piece.get_dtype()), tuple(piece.get_shape()))
         except Exception as exc:  # noqa: BLE001 - safetensors' own errors on a damaged file: one line
             fail(args, f"{flag}: {path} is not a readable safetensors file ({type(exc).__name__}: {exc}); write it "
                        f"again (e.g. weightsync merge)")
@@ -97,9 +100,11 @@ def _fp8_values(args: argparse.Namespace, engine_base: Path, quant: dict,
     from sync_service.fp8 import scale_name
 
     block = quant.get("weight_block_size")
-    if quant.get("quant_method") != "fp8" or quant.get("scale_fmt") not in (None, "float"):
+    if quant.get("quant_method") != "fp8" or quant.get("scale_fmt") not in (None, *_SCALE_DTYPES):
         fail(args, f"--engine-base {engine_base}: quantization_config {quant} is not served; engines serve block FP8 "
-                   f"(quant_method fp8, weight_block_size, float32 scales), e.g. weightsync merge --quantize fp8")
+                   f"(quant_method fp8, weight_block_size, scale_fmt float or ue8m0), e.g. weightsync merge "
+                   f"--quantize fp8")
+    scales = _SCALE_DTYPES[quant.get("scale_fmt") or "float"]
     if not (isinstance(block, list) and len(block) == 2
             and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
         fail(args, f"--engine-base {engine_base}: quantization_config weight_block_size {block!r} is not two positive "
@@ -112,7 +117,7 @@ def _fp8_values(args: argparse.Namespace, engine_base: Path, quant: dict,
             continue
         grid = (*shape[:-2], shape[-2] // block[0], shape[-1] // block[1]) if len(shape) >= 2 else None
         got = tensors.get(scale_name(name))
-        if grid is None or shape[-2] % block[0] or shape[-1] % block[1] or got != ("float32", grid):
-            fail(args, f"--engine-base {engine_base}: {name} {list(shape)} needs float32 scales {scale_name(name)} "
+        if grid is None or shape[-2] % block[0] or shape[-1] % block[1] or got != (scales, grid):
+            fail(args, f"--engine-base {engine_base}: {name} {list(shape)} needs {scales} scales {scale_name(name)} "
                        f"{list(grid or ())} for blocks {list(block)}, got {got}; write it with weightsync merge --quantize fp8")
     return {n: t for n, t in tensors.items() if not n.endswith("_scale_inv")}

@@ -4,7 +4,8 @@ For a tensor the plan sends as ``float8_e4m3fn`` (``sync_service.fp8``: values `
 ``scale_name(X)``), ``MergedSource.fill`` hands both names here. A values box is widened to the block edges
 around it (the plan may cut an owned box anywhere when it packs buckets; an owned box itself is aligned,
 ``coordinator.planning``), merged in the accumulation dtype (fp32, or float64) into a scratch, quantized by
-``quantize.quantize_blocks`` (transformers' ``Fp8Quantize`` arithmetic) and the asked part copied out. Every
+``quantize.quantize_blocks`` (transformers' ``Fp8Quantize`` arithmetic, in the scale format of the engines'
+scales: float32, or ue8m0's power-of-two rounding) and the asked part copied out. Every
 block is quantized from its own values alone, so a widened box gives exactly the values of the whole tensor's
 quantization.
 
@@ -53,10 +54,14 @@ class Fp8Fill:
         blocks: FP8 value name → block ``(bm, bn)`` (``MergeConfig.fp8_blocks``).
         merge: merged values of a box in an accumulation dtype (``MergedSource._merge_box``).
         accumulate: value name → the accumulation dtype of its merge.
+        scale_fmt: value name → its ``FineGrainedFP8Config.scale_fmt`` (``"float"`` or ``"ue8m0"``), from the
+            dtype the plan sends its scales in.
     """
 
-    def __init__(self, blocks: Mapping[str, tuple[int, int]], merge: Merge, accumulate: Callable[[str], torch.dtype]):
+    def __init__(self, blocks: Mapping[str, tuple[int, int]], merge: Merge, accumulate: Callable[[str], torch.dtype],
+                 scale_fmt: Callable[[str], str]):
         self.blocks = {n: tuple(b) for n, b in blocks.items()}
+        self._scale_fmt = scale_fmt
         self.values_of = {scale_name(n): n for n in self.blocks}
         """Scales name → its values' name."""
         self._merge, self._accumulate = merge, accumulate
@@ -70,8 +75,8 @@ class Fp8Fill:
         out.copy_(q[_rel(box, region)])
 
     def fill_scales(self, name: str, box: Box, out: torch.Tensor) -> None:
-        """Scales (float32) of ``box`` of the scales tensor ``name`` into ``out``: from the kept regions when they
-        cover it, else merged and quantized again."""
+        """Scales (float32 or float8_e8m0fnu) of ``box`` of the scales tensor ``name`` into ``out``: from the kept
+        regions when they cover it, else merged and quantized again."""
         values = self.values_of[name]
         bm, bn = self.blocks[values]
         region = (*box[:-2], (box[-2][0] * bm, box[-2][1] * bm), (box[-1][0] * bn, box[-1][1] * bn))
@@ -94,7 +99,7 @@ class Fp8Fill:
         if self._last is not None and self._last[:2] == (name, region):
             return self._last[2], self._last[3]
         merged = self._merge(name, region, self._accumulate(name))
-        q, s = quantize_blocks(merged, self.blocks[name])
+        q, s = quantize_blocks(merged, self.blocks[name], self._scale_fmt(name))
         self._kept.setdefault(name, []).append((region, s))
         self._last = (name, region, q, s)
         return q, s

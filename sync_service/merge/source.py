@@ -17,7 +17,7 @@ from protocols.params import Box, ParamMeta, box_numel, box_shape, full_box
 from sync_service.dtypes import TORCH_DTYPES
 from sync_service.merge.base import BaseProvider
 from sync_service.merge.errors import MergeError
-from sync_service.fp8 import scale_meta
+from sync_service.fp8 import SCALE_WIRES, scale_meta, scale_name
 from sync_service.merge.finite import all_finite
 from sync_service.merge.fp8_fill import Fp8Fill
 from sync_service.merge.layouts import FamilyLayout
@@ -49,7 +49,8 @@ class MergeConfig:
     """FP8 value name → block ``(bm, bn)``, for the tensors the plan sends in block FP8 (values
     ``float8_e4m3fn`` in ``out_dtypes`` plus their scales ``sync_service.fp8.scale_name``; set per send by the
     trainer endpoint from the plan). Each is merged in ``accumulate_dtype`` and quantized per block into the
-    bucket (``merge.fp8_fill``); the source produces the scales' boxes too."""
+    bucket (``merge.fp8_fill``); the source produces the scales' boxes too, in their ``out_dtypes`` dtype (float32
+    by default; ``float8_e8m0fnu``: quantized with ue8m0 rounding, ``sync_service.fp8.SCALE_WIRES``)."""
     check_finite: bool = False
     """Raise ``MergeError`` naming the tensor when a merged value is NaN or Inf (costs one pass)."""
     accumulate_dtype: str = "float32"
@@ -135,7 +136,7 @@ class MergedSource:
         blocks = dict(config.fp8_blocks or {})
         if blocks:  # block FP8: each values box is followed by its scales box, as the plan lists them
             owned = [x for m in owned for x in ([m, scale_meta(m, blocks[m.name])] if m.name in blocks else [m])]
-        self._fp8 = Fp8Fill(blocks, self._merge_box, self._accumulate_of)
+        self._fp8 = Fp8Fill(blocks, self._merge_box, self._accumulate_of, self._scale_fmt)
         if config.out_dtypes:  # the plan's dtypes (the engines'), cast once from the accumulator or the base
             owned = [replace(m, dtype=config.out_dtypes.get(m.name, m.dtype)) for m in owned]
         self._owned = list(owned)
@@ -147,6 +148,10 @@ class MergedSource:
             if meta.name not in self._base_metas and meta.name not in self._fp8.values_of:
                 raise MergeError(f"owned box names {meta.name}, which is not a base tensor")
             self._boxes.setdefault(meta.name, []).append(meta.covered_box())
+        for name in self._fp8.values_of.keys() & self._dtypes.keys():
+            if self._dtypes[name] not in SCALE_WIRES:
+                raise MergeError(f"scales {name} would be written as {self._dtypes[name]}; block-FP8 scales are "
+                                 f"one of {', '.join(SCALE_WIRES)} (the plan's dtype: the engines')")
         self._scratch = Scratch(config.staging_bytes)
         self._fp8_scratch = torch.empty(0, dtype=torch.uint8)
 
@@ -196,6 +201,10 @@ class MergedSource:
         merged = self._fp8_scratch[:nbytes].view(dtype).view(box_shape(box))
         self._fill_into(name, box, merged)
         return merged
+
+    def _scale_fmt(self, name: str) -> str:
+        """The ``scale_fmt`` FP8 tensor ``name`` is quantized with: its scales' dtype's (``fp8.SCALE_WIRES``)."""
+        return SCALE_WIRES[self._dtypes[scale_name(name)]]
 
     def _accumulate_of(self, name: str) -> torch.dtype:
         return self._accumulate(TORCH_DTYPES[self._base_metas[name].dtype])

@@ -3,7 +3,8 @@
 For every tensor ``X`` an engine's table lists as ``float8_e4m3fn`` with its scales ``X_scale_inv``
 (``sync_service.fp8``'s rule, the block read from the two shapes), the oracle is transformers'
 ``Fp8Quantize._quantize_one(X, merged.float())`` (``integrations/finegrained_fp8.py``, the quantizer
-``FineGrainedFP8Config`` checkpoints are written with) of PEFT's float64 ``merge_and_unload``; every other
+``FineGrainedFP8Config`` checkpoints are written with; ``scale_fmt`` "ue8m0" where the engine's scales are
+float8_e8m0fnu, else "float") of PEFT's float64 ``merge_and_unload``; every other
 tensor is that merge cast once into the engine's dtype. The model the oracle decodes with is the same merge
 with each FP8 tensor replaced by transformers' ``Fp8Dequantize._dequantize_one`` of the oracle's values and
 scales, in the engine's compute dtype: what transformers computes with after loading the checkpoint with
@@ -11,7 +12,8 @@ scales, in the engine's compute dtype: what transformers computes with after loa
 
 With ``--accumulate-dtype float64`` the served FP8 bytes and scales equal this oracle bit for bit; with
 float32 an FP8 value may sit one FP8 step away and a scale one float32 rounding away (``peft_oracle.values_match``
-allows one unit in the last place of the oracle value, here the FP8 step).
+allows one unit in the last place of the oracle value, here the FP8 step; for a ue8m0 scale that unit is a factor
+of two, which also moves its whole block's FP8 values: test ue8m0 engines with float64 accumulation).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from types import SimpleNamespace
 import torch
 
 from protocols.params import ParamMeta
-from sync_service.fp8 import scale_name, table_blocks
+from sync_service.fp8 import SCALE_WIRES, scale_name, table_blocks, table_scale_dtypes
 from sync_service.verify.peft_oracle import engine_dtype
 
 __all__ = ["compute_dtype", "dequantized_", "quantized_state", "transformers_dequantize", "transformers_quantize"]
@@ -45,8 +47,8 @@ def transformers_quantize(key: str, values: torch.Tensor, block: tuple[int, int]
 
 
 def transformers_dequantize(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """transformers' ``Fp8Dequantize._dequantize_one``: ``values`` (float8_e4m3fn) times their block's scale,
-    in ``dtype``; the block is read from the scales' grid."""
+    """transformers' ``Fp8Dequantize._dequantize_one``: ``values`` (float8_e4m3fn) times their block's scale
+    (float32 or float8_e8m0fnu, both taken to float32), in ``dtype``; the block is read from the scales' grid."""
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
     return Fp8Dequantize(_quantizer((1, 1), "float"))._dequantize_one(values, scales, dtype)
@@ -63,15 +65,15 @@ def compute_dtype(table: Sequence[ParamMeta]) -> torch.dtype:
 def quantized_state(merged: Mapping[str, torch.Tensor], table: Sequence[ParamMeta]) -> dict[str, torch.Tensor]:
     """The oracle of an engine with parameter table ``table``: from ``merged`` (PEFT's merge in float64, name →
     tensor, ``peft_oracle.model_state`` naming), every FP8 entry through ``transformers_quantize`` (fp32 input,
-    float32 scales), every other floating tensor cast once into the table's dtype (names the table lacks:
-    ``compute_dtype``). Name → tensor, scales included."""
-    blocks = table_blocks(table)
+    the scale format of the table's scales: float32, or ue8m0's float8_e8m0fnu), every other floating tensor cast
+    once into the table's dtype (names the table lacks: ``compute_dtype``). Name → tensor, scales included."""
+    blocks, fmts = table_blocks(table), {n: SCALE_WIRES[d] for n, d in table_scale_dtypes(table).items()}
     serving = compute_dtype(table)
     dtypes = {m.name: m.dtype for m in table}
     out: dict[str, torch.Tensor] = {}
     for name, t in merged.items():
         if name in blocks:
-            out |= transformers_quantize(name, t.to(torch.float32), blocks[name])
+            out |= transformers_quantize(name, t.to(torch.float32), blocks[name], fmts[name])
         elif t.is_floating_point():
             out[name] = t.to(getattr(torch, dtypes[name]) if name in dtypes else serving)
         else:

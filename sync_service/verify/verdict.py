@@ -38,8 +38,8 @@ def weight_bound(extra_atol: float, *, fp8: bool = False) -> str:
     """The weight check's bound, as the JSON reports it (``peft_oracle.values_match``); ``fp8``: the oracle holds
     block-FP8 tensors (``verify.fp8_oracle``: transformers' ``Fp8Quantize`` of PEFT's float64 merge)."""
     bound = f"8*eps(float32)*(|oracle|+max|oracle|) + 1 ulp (16-bit and FP8 dtypes) + {extra_atol:g}"
-    return ("FP8 values and float32 scales against transformers' Fp8Quantize of PEFT's float64 merge (1 ulp = one "
-            f"FP8 step), other tensors against that merge cast once: {bound}") if fp8 else bound
+    return ("FP8 values and scales (float32 or ue8m0) against transformers' Fp8Quantize of PEFT's float64 merge (1 "
+            f"ulp = one FP8 step), other tensors against that merge cast once: {bound}") if fp8 else bound
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,8 +61,9 @@ class Reference:
     @property
     def dtype(self) -> torch.dtype:
         """The serving dtype the token bound is taken from: the coarsest (largest epsilon) floating dtype of the
-        oracle's tensors, ``float8_e4m3fn`` where an engine serves block FP8 (float32 if none)."""
-        floats = {t.dtype for t in self.oracle.values() if t.is_floating_point()}
+        oracle's tensors, ``float8_e4m3fn`` where an engine serves block FP8 (float32 if none). ue8m0 scales
+        (``float8_e8m0fnu``: exponents only, eps 1) scale weights but are none, so they do not count."""
+        floats = {t.dtype for t in self.oracle.values() if t.is_floating_point() and t.dtype != torch.float8_e8m0fnu}
         return max(floats, key=lambda d: torch.finfo(d).eps, default=torch.float32)
 
 

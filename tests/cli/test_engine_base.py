@@ -2,8 +2,9 @@
 base saved in bf16); the trainers merge in the accumulation dtype and cast once into the engines' dtype, and
 the run verifies against PEFT's float64 merge cast once into bf16. Bad engine bases are refused before Ray
 in one line (in process); the sync itself runs once through the console script, into bf16 engines and into
-block-FP8 engines (``weightsync merge --quantize fp8`` of another adapter: every FP8 byte and scale is judged
-against transformers' own quantizer of PEFT's float64 merge, ``verify.fp8_oracle``)."""
+block-FP8 engines of each scale format, float32 and ue8m0 (``weightsync merge --quantize fp8 [--scale-fmt ue8m0]``
+of another adapter: every FP8 byte and scale is judged against transformers' own quantizer of PEFT's float64
+merge in that format, ``verify.fp8_oracle``)."""
 
 from __future__ import annotations
 
@@ -88,36 +89,65 @@ def test_fp32_trainer_into_bf16_engines_verifies_against_peft(files, tmp_path):
         assert engine["max_abs_diff"] == 0.0, engine  # float64 accumulation: PEFT's merge cast once, bit for bit
 
 
-FP8_BLOCK = Fp8Options(weight_block_size=(16, 16))
+FP8_FORMATS = {fmt: Fp8Options(weight_block_size=(16, 16), scale_fmt=fmt) for fmt in ("float", "ue8m0")}
+"""scale_fmt → the block-FP8 options of its engine base (16x16 blocks)."""
 
 
 @pytest.fixture(scope="module")
-def fp8_engine_base(files) -> Path:
-    """The base with another adapter merged, written as block FP8 (16x16 blocks, bf16 elsewhere)."""
+def fp8_engine_bases(files) -> dict[str, Path]:
+    """scale_fmt → the base with another adapter merged, written as block FP8 in that format (bf16 elsewhere)."""
     other = make_adapter("qwen3_moe", files["base"], files["root"] / "other-lora", kind="target_parameters", r=2, seed=5)
-    merge_checkpoint(files["base"], other, files["root"] / "fp8", quantize="fp8", fp8=FP8_BLOCK, progress=False)
-    return files["root"] / "fp8"
+    for fmt, options in FP8_FORMATS.items():
+        merge_checkpoint(files["base"], other, files["root"] / f"fp8-{fmt}", quantize="fp8", fp8=options, progress=False)
+    return {fmt: files["root"] / f"fp8-{fmt}" for fmt in FP8_FORMATS}
 
 
-def test_the_fp8_verifier_passes_the_adapters_fp8_merge_and_fails_another(files, fp8_engine_base, tmp_path):
-    merge_checkpoint(files["base"], files["lora"], tmp_path / "same", quantize="fp8", fp8=FP8_BLOCK,
+@pytest.mark.parametrize("scale_fmt, scale_dtype", [("float", "float32"), ("ue8m0", "float8_e8m0fnu")])
+def test_the_fp8_verifier_passes_the_adapters_fp8_merge_and_fails_another(files, fp8_engine_bases, tmp_path,
+                                                                           scale_fmt, scale_dtype):
+    merge_checkpoint(files["base"], files["lora"], tmp_path / "same", quantize="fp8", fp8=FP8_FORMATS[scale_fmt],
                      accumulate_dtype="float64", progress=False)
-    for served_dir, want in ((tmp_path / "same", True), (fp8_engine_base, False)):
+    for served_dir, want in ((tmp_path / "same", True), (fp8_engine_bases[scale_fmt], False)):
         state, _ = read_fp8_checkpoint(served_dir)
         table = [ParamMeta(n, wire_dtype(t.dtype), tuple(t.shape)) for n, t in state.items()]
         assert any(m.dtype == "float8_e4m3fn" for m in table)
+        assert {m.dtype for m in table if m.name.endswith("_scale_inv")} == {scale_dtype}
         ref = reference(files["base"], files["lora"], tp=1, table=table, prompts=PROMPTS[:1])
         got = verdict(ref, state, None, None)
         assert got["verified"] is want and got["weights_equal_reference"] is want, (served_dir, got)
         assert got["weights_bitwise"] is want  # float64 accumulation: transformers' quantizer's bytes exactly
-        assert got["weight_bound"].startswith("FP8 values and float32 scales against transformers' Fp8Quantize")
+        assert got["weight_bound"].startswith("FP8 values and scales (float32 or ue8m0) against transformers' "
+                                              "Fp8Quantize")
 
 
-def test_fp32_trainer_into_block_fp8_engines_verifies_against_transformers_quantizer(files, fp8_engine_base, tmp_path):
+def _variant(src: Path, dst: Path, **quant) -> Path:
+    """A copy of checkpoint ``src`` whose quantization_config is updated with ``quant``."""
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"].update(quant)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_ue8m0_engine_bases_are_checked_and_vllm_refuses_them_before_ray(files, fp8_engine_bases, tmp_path, capsys):
+    argv = ["sync", "--base", str(files["base"]), "--adapter", str(files["lora"]), "--ep", "1", "--engine-base"]
+    ue8m0 = fp8_engine_bases["ue8m0"]
+    fails(capsys, [*argv, str(ue8m0), "--engine", "vllm"], "quantized checkpoint is served by --engine hf only")
+    fails(capsys, [*argv, str(_variant(fp8_engine_bases["float"], tmp_path / "fp32-scales", scale_fmt="ue8m0"))],
+          "needs float8_e8m0fnu scales", "got ('float32'")
+    fails(capsys, [*argv, str(_variant(ue8m0, tmp_path / "e8m0-scales", scale_fmt="float"))],
+          "needs float32 scales", "got ('float8_e8m0fnu'")
+    fails(capsys, [*argv, str(_variant(ue8m0, tmp_path / "mxfp", scale_fmt="e4m3"))],
+          "is not served; engines serve block FP8 (quant_method fp8, weight_block_size, scale_fmt float or ue8m0)")
+
+
+@pytest.mark.parametrize("scale_fmt", ["float", "ue8m0"])
+def test_fp32_trainer_into_block_fp8_engines_verifies_against_transformers_quantizer(files, fp8_engine_bases, tmp_path,
+                                                                                     scale_fmt):
     out = tmp_path / "run.json"
     rc, err, _ = weightsync(["sync", "--base", str(files["base"]), "--adapter", str(files["lora"]),
-                             "--engine-base", str(fp8_engine_base), "--ep", "1", "--engines", "1", "--versions", "2",
-                             "--accumulate-dtype", "float64", "--json", str(out)], ray_allowed=True)
+                             "--engine-base", str(fp8_engine_bases[scale_fmt]), "--ep", "1", "--engines", "1",
+                             "--versions", "2", "--accumulate-dtype", "float64", "--json", str(out)], ray_allowed=True)
     assert rc == 0, err[-3000:]
     doc = json.loads(out.read_text())
     assert doc["ok"] and len(doc["versions"]) == 2

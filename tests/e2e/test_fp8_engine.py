@@ -1,12 +1,15 @@
 """Serving in the engine's precision, block FP8: trainers merge and quantize, an HF engine serves FP8 + scales.
 
-EP=2 trainers (fp32 and bf16 bases) sync into an HF engine loaded from a block-FP8 checkpoint (16×16 blocks):
-a full push, then a delta after ``train_step``. The reference of a version is transformers' own
-``Fp8Quantize`` of PEFT's float64 merge of that version's adapter (the unquantized tensors: that merge cast
-once to bf16), written as a checkpoint: with float64 accumulation the engine's served FP8 bytes and scales
-are that reference bit for bit and its greedy tokens equal a fresh HF engine's on it (transformers'
-``FineGrainedFP8Config(dequantize=True)`` load); with fp32 accumulation >= 99.9 % of FP8 bytes are equal and
-none is more than one FP8 step away. One Ray session.
+EP=2 trainers (fp32 and bf16 bases) sync into HF engines loaded from block-FP8 checkpoints — float32 scales
+(16×16 blocks) and ue8m0 scales (float8_e8m0fnu powers of two, 8×8 blocks) — a full push, then a delta after
+``train_step``; TP=2 trainers sync into the 8×8 engine and are refused by the 16×16 one (their k_proj shards
+are 8 rows: a TP split that cuts blocks is refused by name, not gathered). The reference of a version is
+transformers' own ``Fp8Quantize`` (the engine's ``scale_fmt``) of PEFT's float64 merge of that version's
+adapter (the unquantized tensors: that merge cast once to bf16), written as a checkpoint: with float64
+accumulation the engine's served FP8 bytes and scales are that reference bit for bit and its greedy tokens
+equal a fresh HF engine's on it (transformers' ``FineGrainedFP8Config(dequantize=True)`` load); with fp32
+accumulation >= 99.9 % of FP8 bytes are equal and none is more than one FP8 step away. One Ray session, one
+pool of two trainer actors.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from protocols.params import ParamMeta
 from sync_service.api import SyncConfig, WeightSync
-from sync_service.coordinator.planning import BlockAlignmentError, engine_dtypes
+from sync_service.coordinator.planning import BlockAlignmentError, DtypeConflictError, engine_dtypes
 from sync_service.entrypoints.local import AdapterReplay
 from sync_service.merge.export import merge_checkpoint
 from sync_service.merge.export_fp8 import Fp8Options, quantized_names
@@ -32,6 +35,8 @@ from sync_service.verify.fp8_oracle import transformers_quantize
 from sync_service.verify.peft_oracle import peft_merged_model
 
 BLOCK = (16, 16)
+UE8M0_BLOCK = (8, 8)
+"""The ue8m0 engine's block: divides the TP=2 shards (k_proj [16, 32] → 8 rows per rank)."""
 FP8 = torch.float8_e4m3fn
 SIZES = dict(hidden=32, intermediate=32, num_experts=4, vocab_size=64, num_layers=1)
 PROMPT = [1, 5, 9, 13, 17, 21]
@@ -54,6 +59,20 @@ def test_a_box_off_the_block_edges_is_refused_naming_tensor_box_and_block():
         engine_dtypes([[ParamMeta(q, "float8_e4m3fn", (32, 32))]], {"e0": table})
 
 
+def test_ue8m0_scales_travel_as_float8_e8m0fnu_and_engines_must_agree_on_the_format():
+    q = "model.layers.0.self_attn.q_proj.weight"
+    ue8m0 = [ParamMeta(q, "float8_e4m3fn", (32, 32)), ParamMeta(q + "_scale_inv", "float8_e8m0fnu", (2, 2))]
+    owned = [[ParamMeta(q, "float32", (32, 32), ((0, 16), (0, 32)))], [ParamMeta(q, "float32", (32, 32), ((16, 32), (0, 32)))]]
+    retyped, _ = engine_dtypes(owned, {"e0": ue8m0, "e1": ue8m0})
+    assert [(m.dtype, m.box) for m in retyped[0]] == [("float8_e4m3fn", ((0, 16), (0, 32))),
+                                                      ("float8_e8m0fnu", ((0, 1), (0, 2)))]
+    floats = [ue8m0[0], ParamMeta(q + "_scale_inv", "float32", (2, 2))]
+    with pytest.raises(DtypeConflictError, match=r"q_proj.weight_scale_inv: engine 'e0' float8_e8m0fnu, engine 'e1' float32"):
+        engine_dtypes(owned, {"e0": ue8m0, "e1": floats})
+    with pytest.raises(ValueError, match=r"lists its scales .* as float32 or float8_e8m0fnu\[\.\., N/bm, K/bn\]"):
+        engine_dtypes(owned, {"e0": [ue8m0[0], ParamMeta(q + "_scale_inv", "bfloat16", (2, 2))]})
+
+
 # -- end to end --------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
@@ -66,20 +85,28 @@ def files(tmp_path_factory):
     base = out["bfloat16"][0]  # the engine starts from another adapter's FP8 merge: a full sync must replace it all
     other = make_adapter("qwen3_moe", base, root / "lora-other", kind="target_parameters", r=4, init_scale=0.3, seed=7)
     merge_checkpoint(base, other, root / "engine", quantize="fp8", fp8=Fp8Options(weight_block_size=BLOCK), progress=False)
-    out["engine"] = root / "engine"
+    merge_checkpoint(base, other, root / "ue8m0", quantize="fp8", progress=False,
+                     fp8=Fp8Options(weight_block_size=UE8M0_BLOCK, scale_fmt="ue8m0"))
+    out["engine"], out["ue8m0"] = root / "engine", root / "ue8m0"
     return out
 
 
-def reference(files, base: Path, adapter: Path, out: Path) -> Path:
-    """transformers' Fp8Quantize of PEFT's float64 merge (bf16 elsewhere), as a checkpoint with the engine's config."""
+FORMATS = {"float": ("engine", BLOCK), "ue8m0": ("ue8m0", UE8M0_BLOCK)}
+"""scale_fmt → (the ``files`` key of its engine checkpoint, its block)."""
+
+
+def reference(files, base: Path, adapter: Path, out: Path, scale_fmt: str = "float") -> Path:
+    """transformers' Fp8Quantize (``scale_fmt``) of PEFT's float64 merge (bf16 elsewhere), as a checkpoint with the
+    config of the engine of that format."""
+    engine_dir, block = files[FORMATS[scale_fmt][0]], FORMATS[scale_fmt][1]
     peft_merged_model(base, adapter, dtype=torch.float64).save_pretrained(str(out / "peft64"))
     peft64 = load_file(str(out / "peft64" / "model.safetensors"))
-    quantized = {k for k, t in load_file(str(files["engine"] / "model.safetensors")).items() if t.dtype == FP8}
+    quantized = {k for k, t in load_file(str(engine_dir / "model.safetensors")).items() if t.dtype == FP8}
     tensors = {}
     for key, t in peft64.items():
-        tensors |= transformers_quantize(key, t.float(), BLOCK, "float") if key in quantized else {key: t.to(torch.bfloat16)}
+        tensors |= transformers_quantize(key, t.float(), block, scale_fmt) if key in quantized else {key: t.to(torch.bfloat16)}
     (out / "ref").mkdir()
-    for f in files["engine"].iterdir():
+    for f in engine_dir.iterdir():
         if f.suffix != ".safetensors":
             shutil.copy(f, out / "ref" / f.name)
     save_file(tensors, str(out / "ref" / "model.safetensors"), metadata={"format": "pt"})
@@ -120,60 +147,98 @@ def check(got: dict, want: dict, bitwise: bool, what: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def engine(ray_local, files):
+def engines(ray_local, files):
+    """scale_fmt → an HF engine actor on that format's checkpoint (``FORMATS``)."""
     from actors.launch import start_engines
 
-    (e,) = start_engines(files["engine"], 1, prefix="fp8-")
-    yield e
-    ray.kill(e)
+    out = {fmt: start_engines(files[key], 1, prefix=f"fp8-{fmt}-")[0] for fmt, (key, _) in FORMATS.items()}
+    yield out
+    for e in out.values():
+        ray.kill(e)
 
 
-def test_the_engine_serves_fp8_where_transformers_quantizes(files, engine):
+@pytest.mark.parametrize("scale_fmt, scale_dtype", [("float", "float32"), ("ue8m0", "float8_e8m0fnu")])
+def test_the_engine_serves_fp8_where_transformers_quantizes(files, engines, scale_fmt, scale_dtype):
     import json
 
-    config = json.loads((files["engine"] / "config.json").read_text())
-    table = ray.get(engine.param_metas.remote())
+    key, (bm, bn) = FORMATS[scale_fmt]
+    config = json.loads((files[key] / "config.json").read_text())
+    table = ray.get(engines[scale_fmt].param_metas.remote())
     shapes = {m.name: m.shape for m in table}
     fp8 = {m.name for m in table if m.dtype == "float8_e4m3fn"}
-    want = {n for n in quantized_names(config, Fp8Options(weight_block_size=BLOCK)) if n in shapes and divides(shapes[n], BLOCK)}
+    options = Fp8Options(weight_block_size=(bm, bn), scale_fmt=scale_fmt)
+    want = {n for n in quantized_names(config, options) if n in shapes and divides(shapes[n], (bm, bn))}
     assert fp8 == want and len(fp8) == 6, sorted(fp8)  # q/k/v/o + fused experts gate_up / down
     assert {m.name: (m.dtype, m.shape) for m in table if m.name.endswith("_scale_inv")} == {
         n[:-7] + ".weight_scale_inv" if n.endswith(".weight") else n + "_scale_inv":
-            ("float32", (*shapes[n][:-2], shapes[n][-2] // 16, shapes[n][-1] // 16)) for n in fp8}
+            (scale_dtype, (*shapes[n][:-2], shapes[n][-2] // bm, shapes[n][-1] // bn)) for n in fp8}
 
 
-@pytest.mark.parametrize("dtype, accumulations", [("bfloat16", ("float64",)), ("float32", ("float64", "float32"))])
-def test_ep2_trainers_sync_fp8_full_then_delta(files, engine, tmp_path, dtype, accumulations):
-    from actors.launch import start_trainers
+def full_then_delta(files, trainers, engine, replay: AdapterReplay, v: int, tmp_path: Path, *, base: Path,
+                    scale_fmt: str, accumulate: str, what: str) -> int:
+    """A full push and a delta (after ``train_step``) into ``engine``, each checked against transformers'
+    ``Fp8Quantize(scale_fmt)`` of PEFT's float64 merge of that version; returns the next version."""
     from sync_service.engines.hf import HFEngine
 
-    base, adapter = files[dtype]
-    trainers = start_trainers(base, adapter, ep=2)
-    replay, v = AdapterReplay(adapter), 0
+    base_dtype = next(iter(load_file(str(base / "model.safetensors")).values())).dtype
+    sync = WeightSync(trainers=trainers, engines=[engine], config=SyncConfig(
+        transport="shm", bucket_bytes=4 << 10, timeout_s=90, reset_versions=True, accumulate_dtype=accumulate))
     try:
-        for accumulate in accumulations:
-            sync = WeightSync(trainers=trainers, engines=[engine], config=SyncConfig(
-                transport="shm", bucket_bytes=4 << 10, timeout_s=90, reset_versions=True, accumulate_dtype=accumulate))
-            try:
-                assert sync.dtype_conversions[(dtype, "float8_e4m3fn")] == 6
-                for full in (True, False):
-                    if not full:
-                        ray.get([t.train_step.remote(v) for t in trainers])
-                        replay.step(v)
-                    m = sync.push(v)
-                    assert m.full == full and all(e.committed for e in m.engines)
-                    ref = reference(files, base, replay.save(tmp_path / f"a{v}"), tmp_path / f"v{v}")
-                    what = f"{dtype} base, accumulate {accumulate}, version {v}"
-                    check(served(engine), read_fp8_checkpoint(ref)[0], accumulate == "float64", what)
-                    if accumulate == "float64":
-                        fresh = HFEngine.from_pretrained(ref).generate(PROMPT, 8).tokens
-                        assert ray.get(engine.generate.remote(PROMPT, 8))[0] == fresh, what
-                    v += 1
-            finally:
-                sync.close()
-        with pytest.raises(ValueError, match="factor streaming merges on the engine"):
-            WeightSync(trainers=trainers, engines=[engine], config=SyncConfig(transport="shm", mode="factors",
-                                                                              reset_versions=True))
+        assert sync.dtype_conversions[(str(base_dtype).removeprefix("torch."), "float8_e4m3fn")] == 6
+        for full in (True, False):
+            if not full:
+                ray.get([t.train_step.remote(v) for t in trainers])
+                replay.step(v)
+            m = sync.push(v)
+            assert m.full == full and all(e.committed for e in m.engines)
+            ref = reference(files, base, replay.save(tmp_path / f"a{v}"), tmp_path / f"v{v}", scale_fmt)
+            here = f"{what}, {scale_fmt} scales, accumulate {accumulate}, version {v}"
+            got = served(engine)
+            check(got, read_fp8_checkpoint(ref)[0], accumulate == "float64", here)
+            if scale_fmt == "ue8m0":  # every scale a power of two, as float8_e8m0fnu holds them
+                scales = [t for n, t in got.items() if n.endswith("_scale_inv")]
+                assert len(scales) == 6 and all(t.dtype == torch.float8_e8m0fnu for t in scales), here
+                assert all(bool((torch.frexp(t.float()).mantissa == 0.5).all()) for t in scales), here
+            if accumulate == "float64":
+                fresh = HFEngine.from_pretrained(ref).generate(PROMPT, 8).tokens
+                assert ray.get(engine.generate.remote(PROMPT, 8))[0] == fresh, here
+            v += 1
     finally:
-        for t in trainers:
-            ray.kill(t)
+        sync.close()
+    return v
+
+
+RUNS = {"bfloat16": (("float", "float64"), ("ue8m0", "float64")),
+        "float32": (("float", "float64"), ("float", "float32"), ("ue8m0", "float64"))}
+"""Trainer base dtype → the (engine scale_fmt, accumulation dtype) runs its EP=2 trainers sync, in order."""
+
+
+@pytest.mark.parametrize("dtype", RUNS)
+def test_ep2_trainers_sync_fp8_full_then_delta(files, engines, trainer_pool, tmp_path, dtype):
+    from actors.launch import start_trainers
+
+    base, adapter = files[dtype]
+    trainers = start_trainers(base, adapter, ep=2, reuse=trainer_pool)
+    replay, v = AdapterReplay(adapter), 0
+    for scale_fmt, accumulate in RUNS[dtype]:
+        v = full_then_delta(files, trainers, engines[scale_fmt], replay, v, tmp_path, base=base, scale_fmt=scale_fmt,
+                            accumulate=accumulate, what=f"EP=2, {dtype} base")
+    with pytest.raises(ValueError, match="factor streaming merges on the engine"):
+        WeightSync(trainers=trainers, engines=[engines["float"]], config=SyncConfig(transport="shm", mode="factors",
+                                                                                   reset_versions=True))
+
+
+def test_tp2_trainers_sync_an_fp8_engine_whose_block_divides_their_shards(files, engines, trainer_pool, tmp_path):
+    """TP=2 boxes (rows of q/k/v, [gate_t; up_t] row pairs, down_proj / o_proj columns) are quantized where they
+    stand when the block divides every shard (8×8 here); the 16×16 engine's blocks are cut by k_proj's 8-row shards:
+    refused before any byte, naming the tensor, its box, the block and the fix."""
+    from actors.launch import start_trainers
+
+    base, adapter = files["bfloat16"]
+    trainers = start_trainers(base, adapter, tp=2, reuse=trainer_pool)
+    with pytest.raises(BlockAlignmentError, match=r"self_attn\.[kv]_proj\.weight: trainer box \[\(\d+, \d+\), \(0, 32\)\] "
+                                                  r"is not aligned to the engines' FP8 block \[16, 16\].*a TP split "
+                                                  r"cuts blocks here: use a tp whose shards are block multiples"):
+        WeightSync(trainers=trainers, engines=[engines["float"]], config=SyncConfig(transport="shm", reset_versions=True))
+    full_then_delta(files, trainers, engines["ue8m0"], AdapterReplay(adapter), 0, tmp_path, base=base,
+                    scale_fmt="ue8m0", accumulate="float64", what="TP=2, bfloat16 base")
