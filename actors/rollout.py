@@ -19,18 +19,43 @@ from protocols.readback import ServedWeights
 from protocols.wire import SyncPlan
 from protocols.wire_check import decode
 
-# engine kind -> factory(model_dir) of an EngineAdapter
+# engine kind -> factory(model_dir, device) of an EngineAdapter
 ENGINES = {
-    "hf": lambda model_dir: _hf(model_dir),
-    "memory": lambda model_dir: _memory(model_dir),
-    "vllm": lambda model_dir: _vllm(model_dir),
+    "hf": lambda model_dir, device: _hf(model_dir, device),
+    "memory": lambda model_dir, device: _memory(model_dir),
+    "vllm": lambda model_dir, device: _vllm(model_dir),
 }
 
+ENGINE_DEVICES = {"hf": ("cpu", "cuda"), "memory": ("cpu",), "vllm": ("cpu", "cuda")}
+"""Engine kind → the device types it serves on. ``hf`` stages on its own device; the memory engine holds host
+tensors; vLLM takes the device from its worker's parameters (``device`` only chooses nothing there)."""
 
-def _hf(model_dir: str):
+
+def engine_device(device: str, engine: str, gpu_ids) -> str:
+    """The device an engine serves on: ``device`` as given (``"cpu"``, ``"cuda"``, ``"cuda:N"``), or for ``"auto"``
+    ``"cuda"`` when the actor was given a GPU (``gpu_ids``: ``ray.get_gpu_ids()``) and the engine serves on CUDA,
+    else ``"cpu"``.
+
+    Raises:
+        ValueError: a device the engine kind does not serve on, or CUDA asked without a visible CUDA device.
+    """
+    kinds = ENGINE_DEVICES[engine]
+    if device == "auto":
+        return "cuda" if gpu_ids and "cuda" in kinds and torch.cuda.is_available() else "cpu"
+    kind = device.split(":", 1)[0] if isinstance(device, str) else None
+    if kind not in kinds:
+        raise ValueError(f"RolloutEngine device={device!r}: engine {engine!r} serves on {kinds} ('auto': cuda when "
+                         f"the actor has a GPU)")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"RolloutEngine device={device!r} but this actor sees no CUDA device; give the actor a GPU "
+                         f"(num_gpus=1) or use device='cpu'")
+    return device
+
+
+def _hf(model_dir: str, device: str):
     from sync_service.engines.hf import HFEngine
 
-    return HFEngine.from_pretrained(model_dir)
+    return HFEngine.from_pretrained(model_dir, device=device)
 
 
 def _vllm(model_dir: str):
@@ -55,19 +80,27 @@ def _memory(model_dir: str):
 
 class RolloutEngineCore:
     """One rollout engine, started from the checkpoint in ``model_dir`` (usually the base). The plain
-    class behind the ``RolloutEngine`` actor."""
+    class behind the ``RolloutEngine`` actor. ``device``: where it serves and stages (``engine_device``;
+    ``"auto"``: ``"cuda"`` when the actor has a GPU, else ``"cpu"``)."""
 
-    def __init__(self, *, model_dir: str, engine: str = "hf", name: str = "engine") -> None:
+    def __init__(self, *, model_dir: str, engine: str = "hf", name: str = "engine", device: str = "auto") -> None:
         torch.set_num_threads(1)
         if engine not in ENGINES:
             raise ValueError(f"unknown engine {engine!r}; use one of {sorted(ENGINES)}")
         self.name = name
-        self.engine = ENGINES[engine](model_dir)
+        self.device = engine_device(device, engine, ray.get_gpu_ids() if ray.is_initialized() else [])
+        """The device the engine serves and stages on."""
+        self.engine = ENGINES[engine](model_dir, self.device)
         self._channels: dict[str, tuple] = {}  # owner -> (TransportReceiver, BucketReceiver, FactorEngine | None)
         self._factor_engine = None  # sync_service.factor_stream.FactorEngine over self.engine, for factor plans
 
     def engine_name(self) -> str:
         return self.name
+
+    def staging_bytes(self) -> int:
+        """Bytes of staging buffers the engine holds on ``device`` (0 for an engine that keeps none)."""
+        held = getattr(self.engine, "staging_bytes", None)
+        return 0 if held is None else held()
 
     def param_metas(self) -> tuple[ParamMeta, ...]:
         """The engine's own parameter table (whole tensors)."""

@@ -190,6 +190,15 @@ class HFEngine:
         pays first-touch page faults; names outside the table are skipped. Returns bytes allocated."""
         return self._staging.reserve([n for n in names if n in self._held])
 
+    @property
+    def device(self) -> torch.device:
+        """The device the served tensors (and so the staging buffers) live on."""
+        return next(iter(self._params.values())).device
+
+    def staging_bytes(self) -> int:
+        """Bytes of staging buffers held on ``device`` (spares and a sync being staged)."""
+        return self._staging.held_bytes
+
     def release_staging(self) -> int:
         """Free the staging buffers kept for the next sync (``Staging.release``; when the last channel
         closes). Returns the bytes freed."""

@@ -148,6 +148,12 @@ class Staging:
         self._spare.clear()
         return freed
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of every buffer held (spares kept for the next sync and buffers being staged), on the
+        device of the served tensors (``allocate`` makes them like those)."""
+        return sum(t.nbytes for t in (*self._spare.values(), *self._buffers.values()))
+
     def names(self) -> list[str]:
         return list(self._buffers)
 

@@ -5,8 +5,9 @@
     handle = attach_trainer(peft_model, expert_range=(e0, e1))   # expert parallel: this rank's experts
     # the driver: WeightSync(trainers=[handles in rank order], engines=..., config=...)
 
-Collective: every rank of the default process group calls it (it makes weightsync's own gloo group,
-unless ``group=`` is given, and checks that all ranks agree before returning). Bad input fails on
+Collective: every rank of the default process group calls it (it makes weightsync's own process group, NCCL for
+CUDA parameters and gloo for CPU ones (``transports.devices.group_backend``), unless ``group=`` is given, and
+checks that all ranks agree before returning). Bad input fails on
 every rank, before any byte moves, naming the parameter and the fix.
 """
 
@@ -26,6 +27,7 @@ from sync_service.live.endpoint import TrainerEndpoint
 from sync_service.live.handle import EndpointHandle, register
 from sync_service.live.model import LiveModel, check_keys_match_peft, read_live_model
 from sync_service.live.state import LiveState
+from sync_service.transports.devices import group_backend, group_device
 
 __all__ = ["attach_trainer", "AttachError"]
 
@@ -42,8 +44,10 @@ def attach_trainer(model, *, group=None, expert_range: tuple[int, int] | None = 
         model: the ``peft.PeftModel`` being trained (a DDP wrapper of it, or one whose parameters are
             DTensors on any mesh of the job's ranks: FSDP2 ``fully_shard`` on any dim, HSDP, FSDP2 × TP
             ``parallelize_module``; ``placement.py``). Read in place, never written.
-        group: process group for weightsync's own collectives (factor gathers); ``None``: a new gloo group
-            over all ranks, so the training group's collectives never interleave with a sync.
+        group: process group for weightsync's own collectives (factor gathers); ``None``: a new group over all
+            ranks, of the parameters' device's backend (NCCL for CUDA, gloo for CPU), so the training group's
+            collectives never interleave with a sync. A given group's backend must move tensors of the
+            parameters' device (its gathers run there).
         expert_range: ``(e0, e1)``, the global experts this rank's module holds under expert parallelism
             (contiguous equal blocks in rank order, as torchtitan / Megatron place them); ``None`` otherwise.
         adapter_name: the PEFT adapter to sync (default: the active one).
@@ -68,7 +72,7 @@ def attach_trainer(model, *, group=None, expert_range: tuple[int, int] | None = 
     if actor is None:
         raise RuntimeError("attach_trainer runs inside the Ray actor of a training rank (the coordinator reaches the "
                            "endpoint through that actor); call it from the actor's method")
-    rank, world, group = _group(group)
+    rank, world, group = _group(group, _param_device(model))
     endpoint = build_endpoint(model, group=group, rank=rank, world=world, expert_range=expert_range,
                               adapter_name=adapter_name, timeout_s=timeout_s, before_send=before_send)
     endpoint_id = f"trainer{rank}-{uuid.uuid4().hex[:8]}"
@@ -97,23 +101,39 @@ def build_endpoint(model, *, group, rank: int, world: int, expert_range=None, ad
         state = LiveState.over_model(live, group=group, rank=rank, world=world, experts=experts, timeout_s=timeout_s)
     except (ValueError, TypeError) as exc:
         error = exc
-    ranges = _agree(rank, world, group, error, shape_digest, experts_at, timeout_s)
+    ranges = _agree(rank, world, group, error, shape_digest, experts_at, timeout_s, _collective_device(group, world))
     if expert_range is not None:
         _check_tiling(ranges)
     state.prepare()  # normalises the adapter's structure once
     return TrainerEndpoint(state, rank=rank, before_send=before_send)
 
 
-def _group(group):
+def _group(group, device: torch.device):
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
         if group is not None:
             raise RuntimeError("attach_trainer: group= given but torch.distributed is not initialized")
         return 0, 1, None
-    if group is None:
-        group = dist.new_group(backend="gloo")  # weightsync's own: never the training group's collectives
+    if group is None:  # weightsync's own: never the training group's collectives
+        group = dist.new_group(backend=group_backend(device))
     return dist.get_rank(group), dist.get_world_size(group), group
+
+
+def _param_device(model) -> torch.device:
+    """The device of the model's first parameter (``cpu`` without any): the group's backend follows it. A model
+    spread over several devices is refused later, at ``read_live_model``, on every rank alike."""
+    first = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
+    return torch.device("cpu") if first is None else first.device
+
+
+def _collective_device(group, world: int) -> torch.device:
+    """Where ``group``'s collectives take their tensors (``transports.devices.group_device``); host without one."""
+    if world == 1 or group is None:
+        return torch.device("cpu")
+    import torch.distributed as dist
+
+    return group_device(dist.get_backend(group))
 
 
 def _digest(live: LiveModel, expert_range) -> int:
@@ -125,14 +145,16 @@ def _digest(live: LiveModel, expert_range) -> int:
     return int.from_bytes(hashlib.sha256("\n".join(parts).encode()).digest()[:8], "little") >> 2
 
 
-def _agree(rank: int, world: int, group, error, digest: int, expert_range, timeout_s: float) -> list[tuple[int, int]]:
-    """All-gather (ok, digest, expert range) and fail every rank alike; the expert ranges of all ranks.
+def _agree(rank: int, world: int, group, error, digest: int, expert_range, timeout_s: float,
+           device: torch.device) -> list[tuple[int, int]]:
+    """All-gather (ok, digest, expert range) on ``device`` (the group's) and fail every rank alike; the expert
+    ranges of all ranks.
 
     Raises:
         AttachError: this or another rank failed, or the ranks' models differ.
     """
     e0, e1 = expert_range if expert_range is not None else (-1, -1)
-    mine = torch.tensor([0 if error is None else 1, digest, e0, e1], dtype=torch.int64)
+    mine = torch.tensor([0 if error is None else 1, digest, e0, e1], dtype=torch.int64, device=device)
     if world == 1:
         rows = [mine]
     else:
@@ -140,6 +162,7 @@ def _agree(rank: int, world: int, group, error, digest: int, expert_range, timeo
 
         rows = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(rows, mine, group=group, async_op=True).wait(timedelta(seconds=timeout_s))
+        rows = [row.cpu() for row in rows]
     if error is not None:
         raise AttachError(str(error)) from error
     failed = [k for k, row in enumerate(rows) if row[0]]

@@ -33,6 +33,8 @@ class SyncState(Protocol):
 
     merge: object
     """The ``MergeConfig`` its sources use (``check_finite``, ``accumulate_dtype``, ``out_dtypes`` are set per send)."""
+    device: object
+    """The ``torch.device`` its base tensors live on: where the merge runs (``transports.devices``)."""
 
     def owned(self) -> list[ParamMeta]: ...
 
@@ -93,7 +95,9 @@ class TrainerEndpoint:
 
     def open_transport(self, request: OpenChannel) -> None:
         """Open the sender side of ``request.owner``'s channel and keep its plan. Blocks until the
-        peers connect. Buckets are sealed with ``request.secret`` (engines verify).
+        peers connect. Buckets are sealed with ``request.secret`` (engines verify). The bucket buffers live where the
+        transport wants its bytes (``transports.devices.bucket_device``); when that is not the state's device, the
+        merge fills a staging bucket there and each bucket crosses in one copy (``stage_device``).
 
         Raises:
             ValueError: ``request.plan`` is not a ``SyncPlan``.
@@ -101,15 +105,17 @@ class TrainerEndpoint:
         from sync_service.streaming.pool import BucketPool
         from sync_service.streaming.sender import Sender
         from sync_service.transports import TransportSpec, open_sender
+        from sync_service.transports.devices import bucket_device, stage_device
 
         self.close_transport(request.owner)
         plan = decode(request.plan)
         if not isinstance(plan, SyncPlan):
             raise ValueError(f"open_transport: plan decodes to {type(plan).__name__}, not a SyncPlan")
         spec = TransportSpec.from_bytes(request.spec)
+        bucket = bucket_device(spec)
         sender = Sender(open_sender(spec, sender=request.index),
-                        BucketPool(bucket_bytes=plan.bucket_bytes, num_buffers=request.bucket_buffers),
-                        sender=request.index, secret=request.secret)
+                        BucketPool(bucket_bytes=plan.bucket_bytes, num_buffers=request.bucket_buffers, device=str(bucket)),
+                        sender=request.index, secret=request.secret, stage_device=stage_device(self.state.device, bucket))
         self.channels[request.owner] = (sender, plan)
         self.plan = plan
 

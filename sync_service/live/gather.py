@@ -58,7 +58,9 @@ class ShardGather:
         self.timeout = timedelta(seconds=timeout_s)
         ranks = group_ranks(group, world)
         self._mine = {key: dtensor_box(key, p.param, ranks) for key, p in factors.items()}
-        self.full: dict[str, torch.Tensor] = {k: torch.empty(p.global_shape, dtype=p.param.dtype)
+        self.device = next((p.local().device for p in factors.values()), torch.device("cpu"))
+        """Where every buffer lives: the factors' own device (the group's backend fits it: ``devices.group_backend``)."""
+        self.full: dict[str, torch.Tensor] = {k: torch.empty(p.global_shape, dtype=p.param.dtype, device=self.device)
                                               for k, p in factors.items()}
         self._slots: dict[torch.dtype, list[_Slot]] = {}
         self._send: dict[torch.dtype, torch.Tensor] = {}
@@ -84,8 +86,8 @@ class ShardGather:
             largest = max((_numel(b) for _, b in boxes), default=0)
             self._slots.setdefault(full.dtype, []).append(_Slot(key, sizes.get(full.dtype, 0), tuple(boxes)))
             sizes[full.dtype] = sizes.get(full.dtype, 0) + largest
-        self._send = {d: torch.zeros(n, dtype=d) for d, n in sizes.items()}
-        self._recv = {d: torch.empty((self.world, n), dtype=d) for d, n in sizes.items()}
+        self._send = {d: torch.zeros(n, dtype=d, device=self.device) for d, n in sizes.items()}
+        self._recv = {d: torch.empty((self.world, n), dtype=d, device=self.device) for d, n in sizes.items()}
 
     def gather(self, local: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The whole factors of ``local`` (this rank's local tensors, by key). Collective on ``group``: every
@@ -119,11 +121,12 @@ class ShardGather:
             if box is not None:
                 mine[i, 0] = 1
                 mine[i, 1:1 + 2 * len(box)] = torch.tensor([v for ab in box for v in ab], dtype=torch.int64)
+        mine = mine.to(self.device)  # the table is built on the host, exchanged on the group's device
         rows = [mine] if self.world == 1 else [torch.empty_like(mine) for _ in range(self.world)]
         if self.world > 1:
             dist.all_gather(rows, mine, group=self.group, async_op=True).wait(self.timeout)
         out = []
-        for row in rows:
+        for row in (r.cpu() for r in rows):
             out.append({key: _decode(row[i], full.dim()) for i, (key, full) in enumerate(self.full.items())})
         return out
 

@@ -112,7 +112,7 @@ def read_live_model(model, *, adapter_name: str | None = None) -> LiveModel:
 
     Raises:
         TypeError: not a PEFT model. ValueError: the adapter does not exist, is not LoRA, has no
-            factors, or uses trainable tokens (not read from a live model).
+            factors, uses trainable tokens (not read from a live model), or the parameters sit on several devices.
     """
     peft_model = unwrap_peft(model)
     name = adapter_name if adapter_name is not None else peft_model.active_adapter
@@ -146,9 +146,26 @@ def read_live_model(model, *, adapter_name: str | None = None) -> LiveModel:
         base[hf] = LiveParam(hf, param, tuple(param.shape))
     if not factors:
         raise ValueError(f"attach_trainer: adapter {name!r} has no LoRA factors in this model")
+    _check_one_device({**base, **factors})
     inner = peft_model.get_base_model()
     return LiveModel(base=base, factors=factors, tied_aliases=_tied_aliases(peft_model, base), peft_config=peft_config,
                      config=inner.config, adapter_name=name)
+
+
+def _check_one_device(params: dict[str, LiveParam]) -> None:
+    """Every parameter on one device: the merge runs where the base lives and the gathers on one group's device.
+
+    Raises:
+        ValueError: two devices, naming a parameter on each and the fix.
+    """
+    by_device: dict[torch.device, str] = {}
+    for name, p in params.items():
+        by_device.setdefault(p.local().device, name)
+    if len(by_device) > 1:
+        (d0, n0), (d1, n1) = list(by_device.items())[:2]
+        raise ValueError(f"attach_trainer: the model's parameters are on {len(by_device)} devices ({n0} on {d0}, "
+                         f"{n1} on {d1}); weightsync reads a rank's model on one device — move it whole "
+                         f"(model.to(device)) before attaching")
 
 
 def _hf_name(pname: str) -> str:

@@ -4,7 +4,8 @@ The one state behind every ``TrainerEndpoint``: a live training rank (``LiveStat
 of the user's PEFT model — plain, DDP, FSDP2, expert parallel) and the ``TrainerShard`` actor
 (``live/checkpoint.py``: the rank's EP × TP shard of a checkpoint, built on the ``meta`` device and
 materialized shard-only). ``snapshot(version)`` copies this rank's local factor values (r-thin;
-nothing of the base) and pins the base object (replaced copy-on-write by ``update_base``, never
+nothing of the base) on their own device (no host copy: the merge reads them where the base lives, and a
+transport that needs host bytes gets each merged bucket in one copy, ``transports.devices``) and pins the base object (replaced copy-on-write by ``update_base``, never
 written in place), so the next optimizer step may change the factors at once. ``source(version)``
 turns a snapshot into a ``MergedSource`` over the base views: with DTensor factors (any mesh) it first
 all-gathers the factor boxes this rank lacks (``ShardGather``, weightsync's own group, reused buffers); under expert
@@ -45,7 +46,7 @@ class _Snapshot:
     base: ShardedBase
     """The base at ``snapshot()`` (pinned: ``update_base`` replaces it, never writes it)."""
     factors: dict[str, torch.Tensor]
-    """This rank's local factor values at ``snapshot()`` (copies)."""
+    """This rank's local factor values at ``snapshot()`` (copies, on the parameters' device)."""
 
 
 class LiveState:
@@ -118,6 +119,11 @@ class LiveState:
         return structural_adapter(self.peft_config, shapes, self.base, self.spec)
 
     @property
+    def device(self) -> torch.device:
+        """Where the base tensors live, hence where the merge runs (``ShardedBase.device``)."""
+        return self.base.device
+
+    @property
     def gathered_bytes(self) -> int:
         """Bytes of the reused factor gather buffers (0 without DTensor factors)."""
         return 0 if self._gather is None else self._gather.nbytes
@@ -166,7 +172,7 @@ class LiveState:
         self._snapshots.drop(version)
 
     def _copy(self) -> dict[str, torch.Tensor]:
-        return {k: p.local().to(device="cpu", copy=True) for k, p in self.factors.items()}
+        return {k: p.local().clone() for k, p in self.factors.items()}  # on the parameters' device
 
     def _gathered(self, factors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self._gather is None:

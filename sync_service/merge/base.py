@@ -104,6 +104,12 @@ class TensorDictBase:
     def metas(self) -> list[ParamMeta]:
         return list(self._metas)
 
+    @property
+    def device(self) -> torch.device:
+        """The first tensor's device (``cpu`` when empty): where a merge over this base runs."""
+        first = next(iter(self._tensors.values()), None)
+        return torch.device("cpu") if first is None else first.device
+
     def read(self, name: str, box: Box) -> torch.Tensor:
         t = self._tensors[name]
         return t[tuple(slice(a, b) for a, b in box)]

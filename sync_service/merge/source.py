@@ -152,8 +152,10 @@ class MergedSource:
             if self._dtypes[name] not in SCALE_WIRES:
                 raise MergeError(f"scales {name} would be written as {self._dtypes[name]}; block-FP8 scales are "
                                  f"one of {', '.join(SCALE_WIRES)} (the plan's dtype: the engines')")
+        self.device = torch.device(getattr(base, "device", "cpu"))
+        """Where the merge runs: the base's device (its scratch and temporaries live there; ``out`` may be elsewhere)."""
         self._scratch = Scratch(config.staging_bytes)
-        self._fp8_scratch = torch.empty(0, dtype=torch.uint8)
+        self._fp8_scratch = torch.empty(0, dtype=torch.uint8, device=self.device)
 
     @property
     def peak_staging_bytes(self) -> int:
@@ -197,7 +199,7 @@ class MergedSource:
         scratch reused by the next call."""
         nbytes = box_numel(box) * dtype.itemsize
         if self._fp8_scratch.numel() < nbytes:
-            self._fp8_scratch = torch.empty(nbytes, dtype=torch.uint8)
+            self._fp8_scratch = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         merged = self._fp8_scratch[:nbytes].view(dtype).view(box_shape(box))
         self._fill_into(name, box, merged)
         return merged
@@ -249,11 +251,11 @@ class MergedSource:
         terms, magnitude = self.adapter.terms.get(name, []), self.adapter.dora_magnitudes[name]
         (r0, r1), cols = box
         width = self._base_metas[name].shape[1]
-        sq = torch.zeros(r1 - r0, dtype=torch.float64)
+        sq = torch.zeros(r1 - r0, dtype=torch.float64, device=self.device)
         for sub in self._chunks(name, ((r0, r1), (0, width))):
             scratch = self._merged(name, sub, terms)
-            sq[sub[0][0] - r0: sub[0][1] - r0] += scratch.square().sum(dim=1).cpu()
-        factor = magnitude[r0:r1].cpu() / sq.sqrt()
+            sq[sub[0][0] - r0: sub[0][1] - r0] += scratch.square().sum(dim=1).to(sq.device)
+        factor = magnitude[r0:r1].to(sq.device) / sq.sqrt()
         for sub in self._chunks(name, box):
             scratch = self._merged(name, sub, terms)
             scratch.mul_(factor[sub[0][0] - r0: sub[0][1] - r0].to(scratch.device, scratch.dtype).unsqueeze(1))

@@ -76,6 +76,13 @@ class ShardedBase:
             for s in self._shards.values() if s.owned for p in s.pieces
         ]
 
+    @property
+    def device(self) -> torch.device:
+        """The device of the rank's local tensors (the first one's; ``cpu`` when it holds none): where a merge
+        over this base runs."""
+        first = next(iter(self._shards.values()), None)
+        return torch.device("cpu") if first is None else first.local.device
+
     def local_tensors(self) -> dict[str, torch.Tensor]:
         """The rank's local tensors by global name (the training framework's view)."""
         return {n: s.local for n, s in self._shards.items()}

@@ -151,9 +151,9 @@ class FactorGather:
         for key in sorted(local):
             t, kind = local[key], factor_kind(key) if spec.ep > 1 else "replicated"
             if kind == "rows":
-                full[key] = torch.empty((t.shape[0] * spec.ep, *t.shape[1:]), dtype=t.dtype)
+                full[key] = torch.empty((t.shape[0] * spec.ep, *t.shape[1:]), dtype=t.dtype, device=t.device)
             elif kind == "rank_major":
-                full[key] = torch.empty((t.shape[0], t.shape[1] * spec.ep), dtype=t.dtype)
+                full[key] = torch.empty((t.shape[0], t.shape[1] * spec.ep), dtype=t.dtype, device=t.device)
             elif kind == "replicated":
                 full[key] = torch.empty_like(t)
             if kind in ("rows", "rank_major"):
@@ -163,8 +163,9 @@ class FactorGather:
         self._full = full
         self._flat = {}
         for dtype, keys in flat.items():
-            n = sum(local[k].numel() for k in keys)
-            self._flat[dtype] = (keys, torch.empty(n, dtype=dtype), torch.empty((spec.world_size, n), dtype=dtype))
+            n, device = sum(local[k].numel() for k in keys), local[keys[0]].device  # the factors' device (the group's)
+            self._flat[dtype] = (keys, torch.empty(n, dtype=dtype, device=device),
+                                 torch.empty((spec.world_size, n), dtype=dtype, device=device))
 
     def _all_gather(self, keys: list[str], send: torch.Tensor, recv: torch.Tensor, local) -> None:
         spec = self.spec

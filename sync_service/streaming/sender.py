@@ -7,7 +7,10 @@
 The calling thread fills bucket k+1 (``WeightSource.fill`` writes straight into the bucket view)
 and hashes each entry right after its fill, while it is still in cache, while a sender thread hands
 bucket k to the transport. A transport that lends its own buffers (``reserve``: the shm ring) is
-filled in place, so the bucket *is* the transport's slot and sending copies nothing. ``send_sync``
+filled in place, so the bucket *is* the transport's slot and sending copies nothing. A sender whose merge runs
+on another device than the transport's buckets (``stage_device``: CUDA parameters, host buckets) fills one
+staging bucket there, allocated once, and copies each filled bucket into the transport's in one copy
+(``pack_staged``). ``send_sync``
 returns once every receiver acked the whole sync (applied + finished, not yet committed).
 """
 
@@ -90,6 +93,23 @@ def pack_and_hash(source: WeightSource, entries: Sequence[PlanEntry], arr: np.nd
     return done, digest.intdigest()
 
 
+def pack_staged(source: WeightSource, entries: Sequence[PlanEntry], stage: torch.Tensor, arr, digest: RunningChecksum,
+                times: list[float]) -> tuple[int, int]:
+    """Fill ``entries`` into the staging bucket ``stage`` (1-D uint8 on the merge's device), copy the payload into
+    the transport's bucket ``arr`` (numpy array or uint8 tensor, on another device) in one copy, then hash it.
+    Returns ``(payload bytes, xxh3_64)`` as ``pack_and_hash``; adds fill (+ copy) and hash seconds to ``times[0]``,
+    ``times[1]``. Blocks until the copy landed (a device-to-host copy synchronizes; the hash reads the bytes)."""
+    t0 = time.perf_counter()
+    nbytes = pack_bucket(source, entries, stage)
+    as_byte_tensor(arr)[:nbytes].copy_(stage[:nbytes])
+    t1 = time.perf_counter()
+    digest.reset()
+    digest.update(arr[:nbytes])
+    times[0] += t1 - t0
+    times[1] += time.perf_counter() - t1
+    return nbytes, digest.intdigest()
+
+
 class _Deadline:
     def __init__(self, timeout_s: float):
         self.timeout_s, self.end = timeout_s, time.monotonic() + timeout_s
@@ -109,10 +129,28 @@ class Sender:
         pool: reused bucket buffers; ``pool.bucket_bytes`` must equal the plan's.
         sender: this sender's index in the plan.
         secret: per-session HMAC key; headers carry a mac when set (receivers must hold it too).
+        stage_device: where the source's ``fill`` writes when that is not where the transport's buckets live
+            (``transports.devices.stage_device``): one staging bucket of ``pool.bucket_bytes`` there, allocated on
+            the first sync and reused; ``None``: fill the transport's bucket in place.
     """
 
-    def __init__(self, transport: TransportSender, pool: BucketPool, *, sender: int = 0, secret: bytes | None = None):
+    def __init__(self, transport: TransportSender, pool: BucketPool, *, sender: int = 0, secret: bytes | None = None,
+                 stage_device: torch.device | str | None = None):
         self.transport, self.pool, self.sender, self.secret = transport, pool, sender, secret
+        self.stage_device = None if stage_device is None else torch.device(stage_device)
+        self._stage: torch.Tensor | None = None
+
+    @property
+    def stage_bytes(self) -> int:
+        """Bytes of the staging bucket on ``stage_device`` (0 before the first sync, or without one)."""
+        return 0 if self._stage is None else self._stage.numel()
+
+    def _pack(self, source: WeightSource, entries, arr, digest: RunningChecksum, times: list[float]) -> tuple[int, int]:
+        if self.stage_device is None:
+            return pack_and_hash(source, entries, arr, digest, times)
+        if self._stage is None:
+            self._stage = torch.empty(self.pool.bucket_bytes, dtype=torch.uint8, device=self.stage_device)
+        return pack_staged(source, entries, self._stage, arr, digest, times)
 
     def send_sync(self, session: str, version: int, source: WeightSource, plan: SyncPlan, *,
                   names: frozenset[str] | None = None, timeout_s: float = 60.0) -> SendStats:
@@ -146,7 +184,7 @@ class Sender:
                 arr = reserve(deadline.left("waiting for a free ring slot")) if index is None else self.pool.array(index)
                 tp = time.perf_counter()
                 times[2] += tp - tw
-                nbytes, digest_value = pack_and_hash(source, entries, arr, digest, times)
+                nbytes, digest_value = self._pack(source, entries, arr, digest, times)
                 header = seal(BucketHeader(session=session, version=version, sender=self.sender, seq=seq,
                                            entries=entries, payload_nbytes=nbytes, checksum=digest_value), self.secret)
                 payload_bytes += nbytes

@@ -14,8 +14,9 @@ does not fit follows in a second broadcast), then the payload into one of ``spec
 preallocated receive buffers. A receiver thread receives ahead: while the caller verifies and
 applies frame k (holding its buffer), frame k+1 already streams into the next buffer, until the
 sender's ``Commit``/``Abort`` ends the stream. Nothing is allocated per frame. Replies go through
-the store's ``reply`` queue. One sender only. With NCCL, payloads are
-staged through preallocated device buffers (one copy each way).
+the store's ``reply`` queue. One sender only. With NCCL, a sender's device bucket (``transports.devices``:
+NCCL takes device buckets) is broadcast as it is; a host payload, and every receive, is staged through
+preallocated device buffers (one copy).
 
 Every wait has a timeout (``Work.wait``); a timed-out or failed collective leaves the group out of
 step, so the transport is then marked broken and every later call raises ``TransportError``.
@@ -152,8 +153,8 @@ class DistSender:
             g.header[:rest].copy_(torch.frombuffer(memoryview(header)[inline:], dtype=torch.uint8))
             g.bcast(g.header[:rest], end - time.monotonic(), "header")
         if size:
-            src = torch.from_numpy(np.asarray(payload, dtype=np.uint8).reshape(-1))
-            if self._stage is not None:
+            src = payload if isinstance(payload, torch.Tensor) else torch.from_numpy(np.asarray(payload, dtype=np.uint8).reshape(-1))
+            if self._stage is not None and src.device.type != self.g.device:  # a device bucket goes as it is
                 self._stage[:size].copy_(src)
                 src = self._stage[:size]
             g.bcast(src, end - time.monotonic(), "payload")
