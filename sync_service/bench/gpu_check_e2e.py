@@ -27,14 +27,14 @@ _STEP_SCALE = 0.02
 
 
 class _Trainer:
-    """The trainer process's objects: the endpoint over rank 0 of a 1 × 1 mesh, plus a training step."""
+    """The trainer process's objects: the endpoint over rank 0 of a 1 × 1 mesh on ``device``, plus a training step."""
 
     def __init__(self, base_dir: str, adapter_dir: str, device: str) -> None:
         from sync_service.live.checkpoint import load_rank
         from sync_service.live.endpoint import TrainerEndpoint
         from sync_service.sharding.rules import ShardSpec
 
-        self.state = load_rank(base_dir, adapter_dir, ShardSpec(rank=0, ep=1, tp=1))
+        self.state = load_rank(base_dir, adapter_dir, ShardSpec(rank=0, ep=1, tp=1), device=device)  # merges there
         self.endpoint = TrainerEndpoint(self.state, rank=0)
 
     def train_step(self, step: int) -> None:

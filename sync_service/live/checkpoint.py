@@ -25,7 +25,7 @@ __all__ = ["load_rank", "set_factors"]
 
 
 def load_rank(base_dir: str | Path, adapter_dir: str | Path | None, spec: ShardSpec, *, group=None,
-              timeout_s: float = 60.0) -> LiveState:
+              timeout_s: float = 60.0, device: str | torch.device = "cpu") -> LiveState:
     """The prepared state of rank ``spec.rank`` of an ``ep × tp`` trainer over a checkpoint shard.
 
     Args:
@@ -35,6 +35,8 @@ def load_rank(base_dir: str | Path, adapter_dir: str | Path | None, spec: ShardS
             (full fine-tuning through ``LiveState.update_base``).
         spec: the rank's place in the mesh; ``group`` its process group (``None``: the default group).
         timeout_s: bound of each factor collective (factor streaming under EP).
+        device: where the rank's base shard and factors live once read (read on the host, then moved; ``"cpu"``:
+            not moved), hence where its merge runs (``transports.devices``).
 
     Raises:
         MergeError: a bad checkpoint or adapter. FileNotFoundError: no adapter_model.safetensors.
@@ -44,10 +46,11 @@ def load_rank(base_dir: str | Path, adapter_dir: str | Path | None, spec: ShardS
     from sync_service.sharding.base import load_shard
 
     base = load_shard(open_base(base_dir, as_loaded=True), spec)  # a block-FP8 base: dequantized, float32
+    base = base.with_locals({n: t.to(device) for n, t in base.local_tensors().items()})
     peft_config, factors = None, {}
     if adapter_dir is not None:
         peft_config, full = _read_adapter(Path(adapter_dir))
-        factors = local_factors(full, spec, num_experts=num_experts_of(base))
+        factors = {k: t.to(device) for k, t in local_factors(full, spec, num_experts=num_experts_of(base)).items()}
         del full
     params = {k: LiveParam(k, t, tuple(t.shape)) for k, t in factors.items()}
     state = LiveState(base, params, peft_config, spec=spec, group=group, rank=spec.rank, world=spec.world_size,
