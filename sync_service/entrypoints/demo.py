@@ -11,7 +11,7 @@ rewards while ``push_async`` refreshes the engines, plus a control run with sync
 reward curves as a PNG (``--png``) and, with ``--json``, ``reward_curve`` / ``control_reward_curve`` /
 ``versions_seen``. Exits non-zero unless the synced reward rose and the control's did not.
 
-``weightsync demo --trainer fsdp2|ddp|ep|hsdp|fsdp2-tp`` runs a live training loop instead of trainer shards:
+``weightsync demo --trainer fsdp2|ddp|ep|hsdp|fsdp2-tp|fsdp2-ep|tp-ep`` runs a live training loop instead of trainer shards:
 2 training ranks (4 on the 2-D meshes) train the demo model with AdamW and weightsync reads their live PEFT model in place
 (``sync_service.entrypoints.demo_live``); every version is verified against PEFT's float64 merge.
 """
@@ -34,7 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run the toy GRPO loop with live weight refresh (and a control run without sync)")
     parser.add_argument("--trainer", choices=tuple(TRAINERS), default=None,
                         help="sync a live training loop instead of trainer shards (fsdp2, ddp, ep: 2 ranks; "
-                             "hsdp: replicate 2 x shard 2, fsdp2-tp: shard 2 x tp 2, 4 ranks); verified against "
+                             "hsdp: replicate 2 x shard 2, fsdp2-tp: shard 2 x tp 2, fsdp2-ep: dp 2 x ep 2, tp-ep: ep 2 x tp 2, "
+                             "4 ranks); verified against "
                              "PEFT's float64 merge")
     parser.add_argument("--png", type=Path, default=Path("weightsync_rl_rewards.png"),
                         help="--rl: where the reward-curve PNG goes (default ./weightsync_rl_rewards.png)")

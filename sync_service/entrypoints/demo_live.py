@@ -1,10 +1,12 @@
-"""``weightsync demo --trainer fsdp2|ddp|ep|hsdp|fsdp2-tp``: a live training loop synced to the engines, verified.
+"""``weightsync demo --trainer fsdp2|ddp|ep|hsdp|fsdp2-tp|fsdp2-ep|tp-ep``: a live training loop synced to the engines,
+verified.
 
 Training ranks (``ExampleTrainingRank`` as threaded Ray actors, gloo; ``TRAINERS``: 2 for fsdp2 / ddp / ep,
 4 for the 2-D meshes) build the cached demo Qwen3-MoE, add PEFT LoRA on attention + experts, wrap it (FSDP2
-``fully_shard`` per layer, DDP, expert parallel, HSDP on a (replicate 2, shard 2) mesh, or FSDP2 over TP on a
-(shard 2, tp 2) mesh: ``live/example_mesh.py``) and train with AdamW on an LM loss over a fixed batch (the
-reported loss falls); after every step ``push(step)``. Each version is
+``fully_shard`` per layer, DDP, expert parallel, HSDP on a (replicate 2, shard 2) mesh, FSDP2 over TP on a
+(shard 2, tp 2) mesh: ``live/example_mesh.py``; FSDP2 × EP on a (dp 2, ep 2) mesh or TP × EP on an
+(ep 2, tp 2) mesh, the experts DTensors on the ep axis: ``live/example_ep.py``) and train with AdamW on
+an LM loss over a fixed batch (the reported loss falls); after every step ``push(step)``. Each version is
 verified on every engine against an independent oracle: PEFT ``merge_and_unload`` in float64 (cast
 once) of the adapter gathered from the ranks, with the verdict of ``weightsync sync`` (``verify.verdict``:
 weights within fp32 rounding, greedy generations equal up to near-ties). ``--json``: the demo's shape plus
@@ -47,6 +49,8 @@ TRAINERS = {
     "ep": TrainerKind("ep", {"ep": 2}),
     "hsdp": TrainerKind("fsdp2", {"replicate": 2, "shard": 2}, {"mesh_shape": (2, 2)}),
     "fsdp2-tp": TrainerKind("fsdp2", {"shard": 2, "tp": 2}, {"mesh_shape": (2, 2), "tp": True}, tp_base=True),
+    "fsdp2-ep": TrainerKind("ep", {"dp": 2, "ep": 2}, {"mesh_shape": (2, 2)}),
+    "tp-ep": TrainerKind("ep", {"ep": 2, "tp": 2}, {"mesh_shape": (2, 2), "tp": True}, tp_base=True),
 }
 """``weightsync demo --trainer`` choices."""
 PROMPTS = ([5, 9, 14, 3], [7, 7, 21])

@@ -2,9 +2,10 @@
 
 Which global boxes a rank holds and produces (every element is produced by exactly one rank):
 
-- a ``DTensor`` on any mesh (FSDP2, HSDP, FSDP2 × TP, ``Shard(d)`` on any dim): the box it holds, from
-  the DTensor's own placements (``placement.py``: ``compute_local_shape_and_global_offset``, as DCP
-  uses); replicas along ``Replicate`` axes split their common box by rows (``placement.sent_box``);
+- a ``DTensor`` on any mesh (FSDP2, HSDP, FSDP2 × TP, FSDP2 × EP, TP × EP, ``Shard(d)`` on any dim): the
+  boxes it holds, from the DTensor's own placements (``placement.py``: torch's walk, as DCP uses; an
+  ep rank holds only its experts); replicas along ``Replicate`` axes split their common boxes by rows
+  (``placement.sent_pieces``);
 - a fused expert tensor ``[E_local, ...]`` of an expert-parallel rank (``expert_range=(e0, e1)``):
   global experts ``[e0, e1)`` of the ``[E, ...]`` tensor;
 - any other plain tensor is replicated (one process, DDP, the non-expert part under EP): rank k of
@@ -22,7 +23,7 @@ import torch
 
 from protocols.params import ParamMeta
 from sync_service.dtypes import wire_dtype
-from sync_service.live.placement import dtensor_box, sent_box
+from sync_service.live.placement import dtensor_pieces, sent_pieces
 from sync_service.merge.layouts import expert_names
 from sync_service.sharding.base import LocalShard, ShardedBase
 from sync_service.sharding.rules import Piece
@@ -50,14 +51,9 @@ def _whole(shape: tuple[int, ...], rows: tuple[int, int]) -> tuple[tuple[int, in
 
 
 def _dtensor_shard(name: str, dt, ranks: list[int]) -> LocalShard:
-    """The rank's box of a DTensor on any mesh (``placement.py``); a piece only where this rank sends it."""
-    box = dtensor_box(name, dt, ranks)
-    sent = sent_box(dt, box, ranks)
+    """The rank's boxes of a DTensor on any mesh (``placement.py``); pieces only where this rank sends them."""
+    pieces = sent_pieces(dt, dtensor_pieces(name, dt, ranks), ranks)
     meta = ParamMeta(name=name, dtype=wire_dtype(dt.dtype), shape=tuple(dt.shape))
-    pieces: tuple[Piece, ...] = ()
-    if sent is not None:
-        local = tuple((a - a0, b - a0) for (a, b), (a0, _) in zip(sent, box))
-        pieces = (Piece(global_box=sent, local_box=local),)
     return LocalShard(meta=meta, local=dt.to_local().detach(), pieces=pieces, owned=True)
 
 
@@ -88,8 +84,8 @@ def live_base(params, *, layout, tied_aliases, rank: int, world: int, experts: E
     ``ranks``: the global ranks of weightsync's group (default ``range(world)``).
 
     Raises:
-        ValueError: a DTensor ``placement.dtensor_box`` refuses (Partial, strided rows, a mesh outside the
-            group: named, with the fix); an expert tensor whose expert count disagrees with ``experts``.
+        ValueError: a DTensor ``placement.dtensor_pieces`` refuses (Partial, a mesh outside the group:
+            named, with the fix); an expert tensor whose expert count disagrees with ``experts``.
     """
     ranks = list(range(world)) if ranks is None else ranks
     shards = {}

@@ -3,8 +3,8 @@
 It is what an RL framework's worker looks like: it builds the model from a checkpoint, adds PEFT
 LoRA on attention (``target_modules``) and on the fused experts (``target_parameters``), wraps it
 (FSDP2 ``fully_shard`` per decoder layer, DDP, or expert parallel: each rank's module holds only its
-expert block) and trains with AdamW on an LM loss. It calls ``attach_trainer`` and knows nothing else
-of weightsync. ``weightsync demo --trainer KIND`` and the tests run it as
+expert block, or, given a ``mesh_shape``, FSDP2 × EP / TP × EP over DTensors: ``example_ep.py``) and
+trains with AdamW on an LM loss. It calls ``attach_trainer`` and knows nothing else of weightsync. ``weightsync demo --trainer KIND`` and the tests run it as
 ``ray.remote(num_cpus=0, max_concurrency=2)(ExampleTrainingRank)``: the endpoint's calls run beside
 the training step. ``hold_sends`` / ``release_sends`` gate the endpoint's sends (``before_send``)
 so a test can make a send overlap a training step for certain.
@@ -19,6 +19,7 @@ from datetime import timedelta
 import numpy as np
 import torch
 
+from sync_service.live.example_ep import average_grads_over_ep, build_ep, ep_data_rank
 from sync_service.live.example_mesh import data_rank, wrap_fsdp2
 from sync_service.transports.store import free_port
 
@@ -75,6 +76,7 @@ class ExampleTrainingRank:
         self._release = threading.Event()
         self._step = 0
         self._data_rank = rank
+        self._ep_mesh = None  # the DTensor EP mesh (mode "ep" with a mesh_shape)
 
     def rendezvous(self) -> tuple[str, int]:
         return "127.0.0.1", free_port()
@@ -100,24 +102,32 @@ class ExampleTrainingRank:
         ``lora_r`` / ``shard_dim`` (FSDP2 placement dim) / ``mesh_shape`` (FSDP2 mesh, default ``(world,)``;
         2-D: HSDP) / ``tp`` (the last mesh axis is TP: ``example_mesh.py``) choose the sharding, or give
         ranks differing models;
+        ``mode="ep"`` with a 2-D ``mesh_shape``: FSDP2 × EP on ("dp", "ep"), with ``tp``: TP × EP on ("ep", "tp")
+        (``example_ep.py``); without one, plain expert blocks (``expert_range=``);
         ``restore``: the whole adapter of a checkpoint (``adapter_state``) to resume from (not under EP);
         ``dtype``: the torch dtype name the base is loaded in (the engines' dtype)."""
         from peft import get_peft_model
         from transformers import AutoModelForCausalLM
 
-        self.mode, self._step = mode, 0
+        self.mode, self._step, self._ep_mesh = mode, 0, None
+        blocks = mode == "ep" and mesh_shape is None  # plain expert blocks
         base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=getattr(torch, dtype))
-        if mode == "ep":
+        if blocks:
             _localize_experts(base, self.rank, self.world)
         self.peft = get_peft_model(base, lora_config(lora_r))
-        _randomize_lora(self.peft, self.rank, mode == "ep")
+        _randomize_lora(self.peft, self.rank, blocks)
         if restore is not None:
             from peft import set_peft_model_state_dict
 
             set_peft_model_state_dict(self.peft, {k: torch.from_numpy(v.copy()) for k, v in restore.items()})
-        mesh_shape = tuple(mesh_shape or (self.world,))
-        self._data_rank = data_rank(self.rank, mesh_shape, tp and mode == "fsdp2")  # a TP group shares a batch
-        self.model = self._wrap(mode, shard_dim, mesh_shape, tp)
+        if mode == "ep" and not blocks:
+            kind = "tp" if tp else "fsdp2"
+            self._data_rank = ep_data_rank(self.rank, tuple(mesh_shape), kind)
+            self.model, self._ep_mesh = build_ep(self.peft, mesh_shape=tuple(mesh_shape), ep_kind=kind)
+        else:
+            mesh_shape = tuple(mesh_shape or (self.world,))
+            self._data_rank = data_rank(self.rank, mesh_shape, tp and mode == "fsdp2")  # a TP group shares a batch
+            self.model = self._wrap(mode, shard_dim, mesh_shape, tp)
         self.opt = torch.optim.AdamW([p for p in self.peft.parameters() if p.requires_grad], lr=2e-2)
         return self.model
 
@@ -126,10 +136,15 @@ class ExampleTrainingRank:
         from sync_service.live import attach_trainer
 
         kw = dict(attach_kw)
-        if self.mode == "ep" and "expert_range" not in kw:
+        if self._blocks and "expert_range" not in kw:
             e_local = self.peft.get_base_model().model.layers[0].mlp.experts.num_experts
             kw["expert_range"] = (self.rank * e_local, (self.rank + 1) * e_local)
         return attach_trainer(model, before_send=self._gate, **kw)
+
+    @property
+    def _blocks(self) -> bool:
+        """Expert parallel over plain expert blocks (mode "ep" without a mesh)."""
+        return self.mode == "ep" and self._ep_mesh is None
 
     def _wrap(self, mode: str, shard_dim: int, mesh_shape: tuple[int, ...], tp: bool):
         if mode == "fsdp2":
@@ -153,7 +168,9 @@ class ExampleTrainingRank:
         self.opt.zero_grad(set_to_none=False)
         loss = self.model(input_ids=tokens, labels=tokens).loss
         loss.backward()
-        if self.mode == "ep":  # the non-expert part is data parallel across EP ranks
+        if self._ep_mesh is not None and self._ep_mesh.mesh_dim_names[-1] == "tp":
+            average_grads_over_ep(self.peft, self._ep_mesh)
+        elif self._blocks:  # the non-expert part is data parallel across EP ranks
             for name, p in self.peft.named_parameters():
                 if p.grad is not None and ".experts." not in name:
                     dist.all_reduce(p.grad)  # gloo has no AVG
@@ -172,7 +189,7 @@ class ExampleTrainingRank:
         for key, t in sorted(get_peft_model_state_dict(self.peft).items()):
             if hasattr(t, "full_tensor"):
                 t = t.full_tensor()
-            elif self.mode == "ep" and ".experts." in key:
+            elif self._blocks and ".experts." in key:
                 parts = [torch.empty_like(t) for _ in range(self.world)]
                 dist.all_gather(parts, t.detach().contiguous())
                 t = _join_experts(key, parts, self.peft.peft_config[self.peft.active_adapter].r)

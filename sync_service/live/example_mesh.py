@@ -14,7 +14,7 @@ or ``(Shard(0), Shard(1))`` on the whole mesh, the others DTensors on the data-p
 
 from __future__ import annotations
 
-__all__ = ["data_rank", "tp_plan", "wrap_fsdp2"]
+__all__ = ["apply_tp", "data_rank", "tp_plan", "wrap_fsdp2"]
 
 
 def data_rank(rank: int, mesh_shape: tuple[int, ...], tp: bool) -> int:
@@ -63,7 +63,7 @@ def wrap_fsdp2(peft, *, mesh_shape: tuple[int, ...], shard_dim: int = 0, tp: boo
     mesh = init_device_mesh("cpu", tuple(mesh_shape), mesh_dim_names=names)
     layers = peft.base_model.model.model.layers
     if tp:
-        _apply_tp(peft, layers, mesh["tp"])
+        apply_tp(peft, layers, mesh["tp"])
     dp = mesh if not tp else mesh[names[0]] if len(names) == 2 else mesh[names[:2]]  # the data-parallel axes
     split = dp.size(dp.ndim - 1)  # FSDP2 shards on its last axis and refuses uneven splits of dim > 0
     place = None if shard_dim == 0 else (
@@ -73,7 +73,12 @@ def wrap_fsdp2(peft, *, mesh_shape: tuple[int, ...], shard_dim: int = 0, tp: boo
     return fully_shard(peft, mesh=dp)
 
 
-def _apply_tp(peft, layers, tp_mesh) -> None:
+def apply_tp(peft, layers, tp_mesh) -> None:
+    """``parallelize_module`` of every layer's attention over ``tp_mesh`` (``tp_plan``).
+
+    Raises:
+        ValueError: key/value heads not divisible by the TP size.
+    """
     from torch.distributed.tensor.parallel import parallelize_module
 
     config = peft.get_base_model().config

@@ -1,18 +1,17 @@
-"""The global box a rank holds of a ``DTensor``, read from the tensor's own placements and mesh.
+"""The global boxes a rank holds of a ``DTensor``, read from the tensor's own placements and mesh.
 
-Any mesh (1-, 2-, 3-D, or a sub-mesh such as FSDP2's data-parallel mesh beside a TP mesh) and any of
-``Shard(d)`` (any dim), ``Replicate()`` and ``_StridedShard`` (what FSDP2 over TP gives a TP-sharded
-parameter) per mesh axis. The box is torch's own arithmetic, the one DCP saves by:
-``compute_local_shape_and_global_offset(global_shape, mesh, placements)`` → (local shape, global
-offset) of this rank. For ``_StridedShard`` torch tracks each rank's global indices per dim and returns
-the first one, so the box is the rank's data exactly when those indices are contiguous:
-``check_contiguous`` proves it from the boxes of every mesh coordinate (distinct per-dim intervals
-that tile the dim can only come from contiguous index sets) and refuses the tensor by name otherwise.
+Any mesh (1-, 2-, 3-D, or a sub-mesh such as FSDP2's data-parallel mesh beside a TP or EP mesh) and any
+of ``Shard(d)`` (any dim), ``Replicate()`` and ``_StridedShard`` (what FSDP2 over TP / EP gives a sharded
+parameter; PEFT's expert ``lora_B`` on an ep axis) per mesh axis. The indices are torch's own arithmetic,
+the walk DCP's ``compute_local_shape_and_global_offset`` makes (``dim_indices``): per tensor dim, the
+global indices this rank holds, in local order. Consecutive runs of them make boxes (``index_pieces``):
+one box when every dim is contiguous (Shard, FSDP2 over TP), several when a ``_StridedShard`` leaves a
+rank strided indices (each a ``Piece``: global box + where it sits in the local tensor).
 
 Who sends a box (every element produced by exactly one rank): the ranks of the copy of the mesh holding
 the lowest rank of weightsync's group (a sub-mesh has one copy per value of the other axes, each holding
-the same values); the replicas along ``Replicate`` axes split their common box by rows (``sent_box``). ``Partial`` (a
-pending sum, no value of the tensor) and any other placement are refused by name.
+the same values); the replicas along ``Replicate`` axes split their common boxes by rows (``sent_pieces``).
+``Partial`` (a pending sum, no value of the tensor) and any other placement are refused by name.
 """
 
 from __future__ import annotations
@@ -20,9 +19,9 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from protocols.params import Box
+from sync_service.sharding.rules import Piece
 
-__all__ = ["check_contiguous", "dtensor_box", "group_ranks", "sent_box"]
+__all__ = ["dim_indices", "dtensor_pieces", "group_ranks", "index_pieces", "sent_pieces"]
 
 
 def group_ranks(group, world: int) -> list[int]:
@@ -60,85 +59,103 @@ def _check_placements(name: str, dt) -> None:
                          f"endpoint cannot read — {fix}")
 
 
-def check_contiguous(name: str, shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence) -> None:
-    """Every rank's ``_StridedShard`` indices are contiguous, so its (offset, local shape) box is its data.
+def dim_indices(shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int],
+                placements: Sequence) -> list[list[int]]:
+    """Per tensor dim, the global indices mesh coordinate ``coord`` holds, in local order.
 
-    Per tensor dim, the distinct intervals ``[offset, offset + size)`` over every mesh coordinate must
-    tile ``[0, n)``; the index sets they stand for partition the dim, so tiling proves each contiguous.
-
-    Raises:
-        ValueError: a rank's indices are strided (named, with the placements and the fix).
+    torch's own walk (``_compute_local_shape_and_global_offset``, which keeps only the first index):
+    the placements shard left to right, each ``Shard`` / ``_StridedShard`` picking this coordinate's
+    indices of the ones the placements before it left (``_get_shard_size_and_offsets``).
     """
-    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+    from torch.distributed.tensor._utils import _get_shard_size_and_offsets
 
-    spans: list[set[tuple[int, int]]] = [set() for _ in shape]
-    for coord in itertools.product(*(range(n) for n in mesh_shape)):
-        local, offset = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coord), placements)
-        if all(local):
-            for d, (a, n) in enumerate(zip(offset, local)):
-                spans[d].add((a, a + n))
-    for d, n in enumerate(shape):
-        end = 0
-        for a, b in sorted(spans[d]):
-            if a != end:
-                break
-            end = b
-        if spans[d] and (end != n or len({a for a, _ in spans[d]}) != len(spans[d])):
-            raise ValueError(f"attach_trainer: {name} is a DTensor placed {tuple(placements)} on a mesh "
-                             f"{tuple(mesh_shape)}: the _StridedShard leaves a rank strided (not contiguous) rows of "
-                             f"dim {d}, which no (offset, shape) box describes — shard the strided dim on the mesh "
-                             f"axis before the other one (FSDP2's fully_shard over a TP mesh does), or gather it")
+    shard, strided, _ = _kinds()
+    local, held = list(shape), {}
+    for axis, p in enumerate(placements):
+        if isinstance(p, (shard, strided)):
+            size, index = _get_shard_size_and_offsets(local[p.dim], mesh_shape[axis], coord[axis], p, held.get(p.dim),
+                                                      shape[p.dim], False)
+            local[p.dim], held[p.dim] = size, index
+    return [held[d].tolist()[:local[d]] if d in held else list(range(n)) for d, n in enumerate(shape)]
 
 
-def dtensor_box(name: str, dt, ranks: Sequence[int]) -> Box | None:
-    """The global box this rank holds of DTensor ``dt`` (``()`` for a 0-dim tensor), ``None`` if empty.
+def _runs(indices: list[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs of consecutive indices: (global start, global stop, local start)."""
+    runs: list[tuple[int, int, int]] = []
+    for i, g in enumerate(indices):
+        if runs and runs[-1][1] == g:
+            runs[-1] = (runs[-1][0], g + 1, runs[-1][2])
+        else:
+            runs.append((g, g + 1, i))
+    return runs
+
+
+def index_pieces(indices: list[list[int]]) -> tuple[Piece, ...]:
+    """The boxes a rank's per-dim global indices (``dim_indices``) make: one ``Piece`` per product of
+    per-dim runs of consecutive indices (one piece when every dim is contiguous; none when empty)."""
+    per_dim = [_runs(ix) for ix in indices]
+    pieces = []
+    for combo in itertools.product(*per_dim):
+        pieces.append(Piece(global_box=tuple((a, b) for a, b, _ in combo),
+                            local_box=tuple((c, c + b - a) for a, b, c in combo)))
+    return tuple(pieces)
+
+
+def dtensor_pieces(name: str, dt, ranks: Sequence[int]) -> tuple[Piece, ...]:
+    """The global boxes this rank holds of DTensor ``dt`` and where each sits in its local tensor (one
+    piece, ``((), ())``, for a 0-dim tensor; none if it holds nothing). ``_StridedShard`` indices that are
+    not contiguous give several pieces (PEFT's expert ``lora_B`` [out, r·E] on an ep axis: r runs).
 
     Args:
         ranks: the global ranks of weightsync's group; the mesh's ranks must be among them.
 
     Raises:
-        ValueError: a Partial or unknown placement, strided rows, a mesh outside the group (named, with the fix).
+        ValueError: a Partial or unknown placement, a mesh outside the group (named, with the fix).
     """
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     _check_placements(name, dt)
     mesh = dt.device_mesh
     mesh_ranks = mesh.mesh.flatten().tolist()
     if not set(mesh_ranks) <= set(ranks):
         raise ValueError(f"attach_trainer: {name} is a DTensor {_describe(dt)} over ranks {mesh_ranks}, but weightsync's "
                          f"group holds {list(ranks)}; pass group= a process group holding every rank of the job")
-    if any(isinstance(p, _kinds()[1]) for p in dt.placements):
-        check_contiguous(name, tuple(dt.shape), tuple(mesh.shape), tuple(dt.placements))
-    local, offset = compute_local_shape_and_global_offset(dt.shape, mesh, dt.placements)
-    if tuple(dt.to_local().shape) != tuple(local):
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return ()
+    indices = dim_indices(tuple(dt.shape), tuple(mesh.shape), coord, tuple(dt.placements))
+    if tuple(dt.to_local().shape) != tuple(len(ix) for ix in indices):
         raise ValueError(f"attach_trainer: {name} holds a local shape {tuple(dt.to_local().shape)} but its placements "
-                         f"{tuple(dt.placements)} give {tuple(local)}; the DTensor's local tensor disagrees with its spec")
-    if not all(local):
-        return None
-    return tuple((a, a + n) for a, n in zip(offset, local))
+                         f"{tuple(dt.placements)} give {tuple(len(ix) for ix in indices)}; the DTensor's local tensor "
+                         f"disagrees with its spec")
+    return index_pieces(indices)
 
 
-def sent_box(dt, box: Box | None, ranks: Sequence[int]) -> Box | None:
-    """The part of this rank's ``box`` of ``dt`` it sends (``None``: nothing), so that every element is sent
-    by exactly one rank of weightsync's group (``ranks``: its global ranks).
+def sent_pieces(dt, pieces: Sequence[Piece], ranks: Sequence[int]) -> tuple[Piece, ...]:
+    """The parts of this rank's ``pieces`` of ``dt`` it sends, so that every element is sent by exactly one
+    rank of weightsync's group (``ranks``: its global ranks).
 
     Only the copy of the mesh holding the lowest rank of the group sends. Along the ``Replicate`` axes
-    the R ranks holding the same box split it by rows (dim 0 of the box, ``torch.chunk`` sizes, replica
-    j = this rank's row-major index over those axes), so each replica merges a part and every rank has
-    something to send; a 0-dim tensor is sent by replica 0.
+    the R ranks holding the same pieces split each by rows (dim 0 of its box, ``torch.chunk`` sizes,
+    replica j = this rank's row-major index over those axes), so each replica merges a part and every
+    rank has something to send; a 0-dim tensor is sent by replica 0.
     """
     replicate = _kinds()[2]
     mesh = dt.device_mesh
     coord = mesh.get_coordinate()
-    if box is None or coord is None or min(ranks) not in mesh.mesh.flatten().tolist():
-        return None
+    if coord is None or min(ranks) not in mesh.mesh.flatten().tolist():
+        return ()
     j, count = 0, 1
     for c, n, p in zip(coord, mesh.shape, dt.placements):
         if isinstance(p, replicate):
             j, count = j * n + c, count * n
-    if not box:
-        return box if j == 0 else None
-    (a, b), rest = box[0], box[1:]
-    size = -(-(b - a) // count)
-    lo, hi = min(a + j * size, b), min(a + (j + 1) * size, b)
-    return ((lo, hi), *rest) if hi > lo else None
+    out = []
+    for piece in pieces:
+        if not piece.global_box:
+            out.extend([piece] if j == 0 else [])
+            continue
+        (a, b), rest = piece.global_box[0], piece.global_box[1:]
+        size = -(-(b - a) // count)
+        lo, hi = min(a + j * size, b), min(a + (j + 1) * size, b)
+        if hi > lo:
+            (la, _), lrest = piece.local_box[0], piece.local_box[1:]
+            out.append(Piece(global_box=((lo, hi), *rest), local_box=((la + lo - a, la + hi - a), *lrest)))
+    return tuple(out)

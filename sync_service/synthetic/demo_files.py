@@ -39,7 +39,7 @@ TP_OVERRIDES = {"num_key_value_heads": 2}
 
 def ensure_tp_base(cache_dir: Path) -> Path:
     """The cached demo base with ``TP_OVERRIDES`` (``<cache_dir>/base-tp``, for ``weightsync demo --trainer
-    fsdp2-tp``); regenerated when missing or made with other settings."""
+    fsdp2-tp`` / ``tp-ep``); regenerated when missing or made with other settings."""
     base, stamp = cache_dir / "base-tp", cache_dir / "settings-tp.json"
     settings = {"model": DEMO_MODEL, "config": TP_OVERRIDES}
     if stamp.is_file() and json.loads(stamp.read_text()) == settings and (base / "config.json").is_file():
