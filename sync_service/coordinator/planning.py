@@ -112,7 +112,8 @@ def _scale_dtypes(tables: Mapping[str, Sequence[ParamMeta]]) -> dict[str, str]:
 def _fp8_boxes(owned: Sequence[Sequence[ParamMeta]], tables: Mapping[str, Sequence[ParamMeta]]
                ) -> tuple[list[list[ParamMeta]], dict[tuple[str, str], int]]:
     """``owned`` with every box of a tensor an engine holds in block FP8 retyped to FP8 and followed by its scale
-    box. Raises ``BlockAlignmentError``; ``ValueError`` for a trainer base that is FP8 itself."""
+    box. Raises ``BlockAlignmentError``; ``ValueError`` for a trainer base provider that lists FP8 values itself
+    (a checkpoint directory is read dequantized by ``merge.fp8_base``)."""
     blocks: dict[str, tuple[int, int]] = {}
     for table in tables.values():
         blocks.update(table_blocks(table))
@@ -124,9 +125,9 @@ def _fp8_boxes(owned: Sequence[Sequence[ParamMeta]], tables: Mapping[str, Sequen
         for m in ranks:
             if m.dtype == FP8_WIRE:
                 raise ValueError(f"trainer base holds {m.name} in {FP8_WIRE} (an FP8 checkpoint under a LoRA): not "
-                                 f"merged (the delta must not be added to FP8 values); start the trainers from the "
-                                 f"bf16/fp32 base, e.g. the FP8 checkpoint loaded with FineGrainedFP8Config("
-                                 f"dequantize=True) and saved with save_pretrained")
+                                 f"merged (the delta must not be added to FP8 values); give the trainers a base "
+                                 f"provider that reads it dequantized (merge.fp8_base.Fp8Base, what load_rank and "
+                                 f"weightsync sync use for a block-FP8 checkpoint directory) or a bf16/fp32 base")
             block = blocks.get(m.name)
             if block is None:
                 out[-1].append(m)

@@ -2,8 +2,9 @@
 base's shapes, each in a floating dtype the trainers' merge can cast into (``coordinator.planning.engine_dtypes``),
 or a block-FP8 checkpoint for ``--engine hf`` (``quantization_config`` quant_method "fp8": a quantized tensor is
 float8_e4m3fn in the base's shape with ``*_scale_inv`` of the block grid beside it, float32 or, with scale_fmt
-"ue8m0", float8_e8m0fnu). Checked from the safetensors headers before Ray starts (no tensor is read); a bad one
-exits 2 in one line."""
+"ue8m0", float8_e8m0fnu). A block-FP8 ``--base`` is compared as the trainers read it (``merge.fp8_base``): its FP8
+tensors as float32, its scales not at all. Checked from the safetensors headers before Ray starts (no tensor is
+read); a bad one exits 2 in one line."""
 
 from __future__ import annotations
 
@@ -76,6 +77,8 @@ def check_engine_base(args: argparse.Namespace, base: Path) -> None:
         fail(args, f"--engine-base {engine_base}: not a model directory (no config.json); give a checkpoint "
                    f"written by save_pretrained")
     ours, theirs = _header_tensors(args, "--base", base), _header_tensors(args, "--engine-base", engine_base)
+    if _is_fp8(base):  # the trainers read a block-FP8 --base dequantized, in float32 (merge.fp8_base)
+        ours = {n: ("float32" if d == "float8_e4m3fn" else d, s) for n, (d, s) in ours.items() if not n.endswith("_scale_inv")}
     if quant:
         theirs = _fp8_values(args, engine_base, quant, theirs)
     if set(ours) != set(theirs):
@@ -91,6 +94,16 @@ def check_engine_base(args: argparse.Namespace, base: Path) -> None:
                 quant and want == "float8_e4m3fn" and dtype in MERGE_DTYPES):
             fail(args, f"--engine-base {engine_base}: {name} is {want} there and {dtype} in --base; only "
                        f"float64/float32/float16/bfloat16 tensors are cast")
+
+
+def _is_fp8(base: Path) -> bool:
+    """Whether ``--base`` is a block-FP8 checkpoint (its scales were checked by ``check_sharding``'s ``open_base``)."""
+    from sync_service.merge.fp8_checkpoint import is_fp8_checkpoint
+
+    try:
+        return is_fp8_checkpoint(base)
+    except (ValueError, AttributeError):  # not JSON / not an object: check_sharding names the file
+        return False
 
 
 def _fp8_values(args: argparse.Namespace, engine_base: Path, quant: dict,
