@@ -53,7 +53,8 @@ def max_threads() -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base", required=True, help="base checkpoint directory (config.json + *.safetensors), or a "
+    parser.add_argument("--base", required=True, help="base checkpoint directory (config.json + *.safetensors; a block-FP8 "
+                                                      "one is dequantized, merged, requantized), or a "
                                                       "torch.distributed.checkpoint directory with its config.json (docs/merge.md)")
     parser.add_argument("--adapter", required=True, help="PEFT LoRA adapter directory (adapter_config.json + adapter_model"
                                                          ".safetensors), or a DCP directory of the PEFT model (docs/merge.md)")

@@ -14,7 +14,8 @@ __all__ = ["add_arguments", "add_common_arguments", "add_version_arguments", "ve
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base", required=True, type=Path, help="base checkpoint directory")
+    parser.add_argument("--base", required=True, type=Path, help="base checkpoint directory (a block-FP8 one: the "
+                                                                 "trainers read it dequantized, docs/merge.md)")
     parser.add_argument("--adapter", type=Path, default=None, help="PEFT LoRA adapter directory (optional)")
     parser.add_argument("--engine-base", type=Path, default=None, metavar="DIR",
                         help="the checkpoint the engines load (default: --base): the base in the serving dtype (each "
