@@ -122,6 +122,23 @@ def test_cli_merge_quantize_fp8_is_transformers_fp8_of_the_dequantized_merge(fil
     assert config["quantization_config"]["scale_fmt"] == fmt and config["dtype"] == "bfloat16"
 
 
+def test_float32_accumulation_is_within_one_fp8_step(files, tmp_path):
+    want64 = oracle(files["float"], files["lora"], tmp_path / "oracle", "float")
+    merge_checkpoint(files["float"], files["lora"], tmp_path / "out", quantize="fp8", progress=False,
+                     fp8=Fp8Options(weight_block_size=BLOCK))
+    got = load_file(str(tmp_path / "out" / "model.safetensors"))
+    equal = total = 0
+    for key, t in got.items():
+        if t.dtype != FP8:
+            continue
+        want = transformers_quantize(key, want64[key].float(), BLOCK)[key]
+        codes = [x.contiguous().view(torch.uint8).to(torch.int32) for x in (t, want)]
+        steps = (torch.where(codes[0] >= 128, 128 - codes[0], codes[0]) - torch.where(codes[1] >= 128, 128 - codes[1], codes[1])).abs()
+        assert int(steps.max()) <= 1, key
+        equal, total = equal + int((steps == 0).sum()), total + steps.numel()
+    assert equal / total >= 0.999, f"{equal}/{total} FP8 bytes equal"
+
+
 def test_merge_without_quantize_writes_the_dequantized_merge_in_bf16(files, tmp_path):
     want = oracle(files["float"], files["lora"], tmp_path / "oracle", "float")
     summary = merge_checkpoint(files["float"], files["lora"], tmp_path / "out", accumulate_dtype="float64", progress=False)
