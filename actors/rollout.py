@@ -37,19 +37,34 @@ def engine_device(device: str, engine: str, gpu_ids) -> str:
     else ``"cpu"``.
 
     Raises:
-        ValueError: a device the engine kind does not serve on, or CUDA asked without a visible CUDA device.
+        ValueError: a device the engine kind does not serve on or torch cannot parse (``"cpu:abc"``), or CUDA asked
+            without a visible CUDA device or with an index past the visible ones.
     """
     kinds = ENGINE_DEVICES[engine]
     if device == "auto":
         return "cuda" if gpu_ids and "cuda" in kinds and torch.cuda.is_available() else "cpu"
-    kind = device.split(":", 1)[0] if isinstance(device, str) else None
-    if kind not in kinds:
+    parsed = _parse_device(device)
+    if parsed is None or parsed.type not in kinds:
         raise ValueError(f"RolloutEngine device={device!r}: engine {engine!r} serves on {kinds} ('auto': cuda when "
                          f"the actor has a GPU)")
-    if kind == "cuda" and not torch.cuda.is_available():
+    visible = torch.cuda.device_count() if parsed.type == "cuda" and torch.cuda.is_available() else 0
+    if parsed.type == "cuda" and not visible:
         raise ValueError(f"RolloutEngine device={device!r} but this actor sees no CUDA device; give the actor a GPU "
                          f"(num_gpus=1) or use device='cpu'")
+    if parsed.type == "cuda" and parsed.index is not None and parsed.index >= visible:
+        raise ValueError(f"RolloutEngine device={device!r} but this actor sees {visible} CUDA device(s) (cuda:0 .. "
+                         f"cuda:{visible - 1}: Ray numbers an actor's GPUs from 0); use device='cuda' or 'auto'")
     return device
+
+
+def _parse_device(device) -> torch.device | None:
+    """``device`` as a ``torch.device`` when it is a string torch parses, else ``None``."""
+    if not isinstance(device, str):
+        return None
+    try:
+        return torch.device(device)
+    except RuntimeError:
+        return None
 
 
 def _hf(model_dir: str, device: str):

@@ -65,7 +65,7 @@ def check_quantize(quantize: str | None, options: Fp8Options | None) -> None:
     if quantize is None:
         raise MergeError("--weight-block-size / --scale-fmt need --quantize fp8")
     block = options.weight_block_size
-    if len(block) != 2 or not all(isinstance(n, int) and n > 0 for n in block):
+    if len(block) != 2 or not all(type(n) is int and n > 0 for n in block):  # bool is an int: [true, true]
         raise MergeError(f"--weight-block-size {block!r}: give two positive integers, e.g. 128,128")
     if options.scale_fmt not in SCALE_FMTS:
         raise MergeError(f"--scale-fmt {options.scale_fmt!r}: use one of {', '.join(SCALE_FMTS)}")

@@ -35,13 +35,14 @@ from sync_service.dtypes import SAFETENSORS_DTYPES
 from sync_service.fp8 import FP8_WIRE, box_aligned, scale_name
 from sync_service.merge.base import SafetensorsBase
 from sync_service.merge.errors import MergeError
+from sync_service.merge.finite import all_finite
 from sync_service.merge.inputs import read_json_object, read_safetensors
 from sync_service.merge.layouts import FamilyLayout
 
 __all__ = ["Fp8Base", "dequantize_box", "open_base"]
 
-_SCALE_TAGS = {"F32": torch.float32, "F8_E8M0": torch.float8_e8m0fnu}
-"""safetensors dtype tag of ``*_scale_inv`` → its torch dtype (``FineGrainedFP8Config`` scale_fmt float / ue8m0)."""
+_SCALE_TAGS = {"float": "F32", "ue8m0": "F8_E8M0"}
+"""``FineGrainedFP8Config`` scale_fmt → the safetensors dtype tag of its ``*_scale_inv`` (float32 / float8_e8m0fnu)."""
 _FIX = "write the checkpoint with weightsync merge --quantize fp8 or transformers' save_pretrained"
 
 
@@ -49,12 +50,13 @@ def open_base(checkpoint_dir: str | Path, *, as_loaded: bool = False) -> Safeten
     """The base of a merge or a trainer: ``Fp8Base`` for a block-FP8 checkpoint, else ``SafetensorsBase``.
 
     Raises:
-        MergeError: any other ``quantization_config`` (only block FP8 is dequantized), or what the base raises.
+        MergeError: any other ``quantization_config`` (only block FP8 is dequantized), FP8 tensors without one, or
+            what the base raises.
     """
     path = Path(checkpoint_dir) / "config.json"
     quant = read_json_object(path).get("quantization_config") if path.is_file() else None
     if not quant:
-        return SafetensorsBase(checkpoint_dir, as_loaded=as_loaded)
+        return _unquantized(SafetensorsBase(checkpoint_dir, as_loaded=as_loaded), path)
     if not isinstance(quant, dict) or quant.get("quant_method") != "fp8":
         method = quant.get("quant_method") if isinstance(quant, dict) else quant
         raise MergeError(f"{path}: quantization_config quant_method {method!r}: a quantized base is read only as block "
@@ -62,10 +64,21 @@ def open_base(checkpoint_dir: str | Path, *, as_loaded: bool = False) -> Safeten
     return Fp8Base(checkpoint_dir, as_loaded=as_loaded)
 
 
+def _unquantized(base: SafetensorsBase, config_path: Path) -> SafetensorsBase:
+    """``base`` unless it holds FP8 values, which without a ``quantization_config`` have no block or format to be
+    dequantized by (read raw they would be merged as if they were the weights). Raises MergeError naming one."""
+    fp8 = sorted(m.name for m in base.metas() if m.dtype == FP8_WIRE)
+    if fp8:
+        raise MergeError(f"{config_path}: no quantization_config, but {fp8[0]} ({len(fp8)} tensor(s)) is {FP8_WIRE}; "
+                         f"add the quantization_config it was written with (quant_method fp8, weight_block_size, "
+                         f"scale_fmt) or give its bf16/fp32 checkpoint")
+    return base
+
+
 def _block_of(config_path: Path, quant: dict) -> tuple[tuple[int, int], str]:
     """``(weight_block_size, scale_fmt)`` of a block-FP8 ``quantization_config``. Raises MergeError naming the file."""
     block, fmt = quant.get("weight_block_size"), quant.get("scale_fmt") or "float"
-    if not isinstance(block, list) or len(block) != 2 or not all(isinstance(n, int) and n > 0 for n in block):
+    if not isinstance(block, list) or len(block) != 2 or not all(type(n) is int and n > 0 for n in block):
         raise MergeError(f"{config_path}: quantization_config weight_block_size {block!r} is not two positive ints "
                          f"[rows, cols] (per-tensor FP8 is not read); {_FIX}")
     if fmt not in ("float", "ue8m0"):
@@ -96,8 +109,9 @@ class Fp8Base(SafetensorsBase):
             ``dequantize=True`` loads and the default output dtype of ``weightsync merge`` without ``--quantize``.
 
     Raises:
-        MergeError: a bad ``quantization_config``; an FP8 tensor whose scales are missing, mis-shaped (not the
-            block grid of its shape), transposed on disk or of another dtype; scales without FP8 values — each
+        MergeError: a bad ``quantization_config``, or one with no FP8 tensor; an FP8 tensor whose scales are
+            missing, mis-shaped (not the block grid of its shape), transposed on disk, of another dtype than its
+            ``scale_fmt`` writes, or not finite (an ue8m0 byte 0xFF is NaN); scales without FP8 values — each
             naming the tensor; and what ``SafetensorsBase`` raises.
     """
 
@@ -109,6 +123,9 @@ class Fp8Base(SafetensorsBase):
         self._scale_disk: dict[str, tuple[str, str, tuple[int, ...]]] = {}
         super().__init__(checkpoint_dir, layout, as_loaded=as_loaded)
         self._scales = {m.name: self._fused_scales(m.name, m.shape) for m in self._metas if m.dtype == FP8_WIRE}
+        if not self._scales:
+            raise MergeError(f"{config_path}: quantization_config says fp8 but no tensor is {FP8_WIRE}; drop the "
+                             f"quantization_config or {_FIX}")
         self._check_stray_scales()
         self._metas = [replace(m, dtype="float32") if m.name in self._scales else m for m in self._metas]
 
@@ -157,11 +174,17 @@ class Fp8Base(SafetensorsBase):
         if entry is None:
             raise MergeError(f"{self.dir}: {piece.name} is {FP8_WIRE} but its scales {key} are missing; {_FIX}")
         file, tag, got = entry
-        if tag not in _SCALE_TAGS or got != want:
+        if tag not in _SCALE_TAGS.values() or got != want:
             raise MergeError(f"{self.dir}: {key} (scales of {name}) is {tag}{list(got)}; block FP8 with "
                              f"weight_block_size {list(self.block)} needs F32 or F8_E8M0 {list(want)}; {_FIX}")
+        if tag != _SCALE_TAGS[self.scale_fmt]:
+            raise MergeError(f"{self.dir}: {key} (scales of {name}) is {tag} but quantization_config scale_fmt is "
+                             f"{self.scale_fmt!r}, whose scales are {_SCALE_TAGS[self.scale_fmt]}; {_FIX}")
         with safe_open(file, framework="pt") as f:
-            return f.get_tensor(key).to(torch.float32)
+            scales = f.get_tensor(key).to(torch.float32)
+        if not all_finite(scales):  # an ue8m0 byte 0xFF is NaN: every value of its block would be
+            raise MergeError(f"{self.dir}: {key} (scales of {name}) holds NaN or Inf; {_FIX}")
+        return scales
 
     def _check_stray_scales(self) -> None:
         """Every scale on disk belongs to an FP8 tensor (a scale beside bf16 values would be silently dropped)."""

@@ -156,3 +156,17 @@ def test_fp32_trainer_into_block_fp8_engines_verifies_against_transformers_quant
         (engine,) = row["engines"]
         assert engine["verified"] and engine["weights_bitwise"] and engine["generations_equal"], engine
         assert engine["weights_equal_merge_output"] is None, engine  # compared with transformers' quantizer instead
+
+
+def test_a_bad_fp8_base_is_named_before_the_engine_base_is_compared_with_it(files, fp8_engine_bases, tmp_path, capsys):
+    """The base's own checks run first: an FP8 --base without its quantization_config, or with another quant method,
+    is refused naming --base and the fix, not as a scale tensor missing from a bf16 --engine-base."""
+    argv = ["sync", "--adapter", str(files["lora"]), "--ep", "1", "--engine-base", str(files["bf16"]), "--base"]
+    no_quant = shutil.copytree(fp8_engine_bases["float"], tmp_path / "no-quant")
+    config = json.loads((no_quant / "config.json").read_text())
+    config.pop("quantization_config")
+    (no_quant / "config.json").write_text(json.dumps(config))
+    fails(capsys, [*argv, str(no_quant)], "--base: ", "no quantization_config, but", "is float8_e4m3fn; add the "
+          "quantization_config it was written with")
+    fails(capsys, [*argv, str(_variant(fp8_engine_bases["float"], tmp_path / "awq", quant_method="awq"))],
+          "--base: ", "quant_method 'awq': a quantized base is read only as block FP8")

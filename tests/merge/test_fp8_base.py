@@ -197,6 +197,13 @@ def _broken(files, tmp_path: Path, change) -> Path:
      r"q_proj\.weight_scale_inv \(scales of model\.layers\.0\.self_attn\.q_proj\.weight\) is I32\[2, 2\]"),
     (lambda t: t.update({"lm_head.weight_scale_inv": torch.ones(4, 2)}), r"lm_head\.weight_scale_inv has no "
                                                                          r"float8_e4m3fn values beside it"),
+    # a checkpoint mixing scale formats: ue8m0 scales where the config says float
+    (lambda t: t.update({"model.layers.0.self_attn.q_proj.weight_scale_inv":
+                         t["model.layers.0.self_attn.q_proj.weight_scale_inv"].to(torch.float8_e8m0fnu)}),
+     r"q_proj\.weight_scale_inv \(scales of model\.layers\.0\.self_attn\.q_proj\.weight\) is F8_E8M0 but "
+     r"quantization_config scale_fmt is 'float', whose scales are F32"),
+    (lambda t: t["model.layers.0.self_attn.k_proj.weight_scale_inv"].fill_(float("inf")),
+     r"k_proj\.weight_scale_inv \(scales of model\.layers\.0\.self_attn\.k_proj\.weight\) holds NaN or Inf"),
 ])
 def test_bad_scales_are_refused_in_one_line_naming_the_tensor(files, tmp_path, capsys, change, message):
     broken = _broken(files, tmp_path, change)
@@ -222,3 +229,42 @@ def test_other_quantization_methods_are_refused(files, tmp_path):
     (tmp_path / "mx" / "config.json").write_text(json.dumps(config))
     with pytest.raises(MergeError, match=r"weight_block_size \[0, 16\] is not two positive ints"):
         open_base(tmp_path / "mx")
+
+
+def _with_config(src: Path, dst: Path, change) -> Path:
+    """A copy of checkpoint ``src`` whose config.json is changed in place by ``change(dict)``."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    change(config)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_config_and_tensors_that_disagree_are_refused(files, tmp_path):
+    """FP8 tensors without a quantization_config (read raw they would be merged as the weights), one without FP8
+    tensors, a boolean block (JSON true is a Python int), an ue8m0 scale byte 0xFF (NaN) and a config naming the
+    other scale format: each refused in one MergeError naming the file or tensor."""
+    cases = {
+        "no_quant": (lambda c: c.pop("quantization_config"), files["float"],
+                     r"no quantization_config, but model\.layers\.0\.\S+ \(6 tensor\(s\)\) is float8_e4m3fn"),
+        "bool_block": (lambda c: c["quantization_config"].update(weight_block_size=[True, True]), files["float"],
+                       r"weight_block_size \[True, True\] is not two positive ints"),
+        "says_float": (lambda c: c["quantization_config"].update(scale_fmt="float"), files["ue8m0"],
+                       r"is F8_E8M0 but quantization_config scale_fmt is 'float'"),
+    }
+    for name, (change, src, message) in cases.items():
+        with pytest.raises(MergeError, match=message):
+            open_base(_with_config(src, tmp_path / name, change))
+    merge_checkpoint(files["float"], files["lora"], tmp_path / "bf16", progress=False)  # bf16: no FP8 tensor
+    quant = {"quant_method": "fp8", "weight_block_size": list(BLOCK)}
+    with pytest.raises(MergeError, match="quantization_config says fp8 but no tensor is float8_e4m3fn"):
+        open_base(_with_config(tmp_path / "bf16", tmp_path / "bf16-says-fp8", lambda c: c.update(quantization_config=quant)))
+    nan = _with_config(files["ue8m0"], tmp_path / "0xff", lambda c: None)
+    tensors = load_file(str(nan / "model.safetensors"))
+    key = "model.layers.0.self_attn.o_proj.weight_scale_inv"
+    tensors[key] = torch.full(tensors[key].shape, 0xFF, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    save_file(tensors, str(nan / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(MergeError, match=r"o_proj\.weight_scale_inv \(scales of .*o_proj\.weight\) holds NaN or Inf"):
+        open_base(nan)

@@ -152,6 +152,9 @@ def test_refused_before_anything_is_written(tmp_path):
         merge_checkpoint(base, adapter, tmp_path / "out", quantize="mxfp4")
     with pytest.raises(MergeError, match="need --quantize fp8"):
         merge_checkpoint(base, adapter, tmp_path / "out", fp8=Fp8Options(scale_fmt="ue8m0"))
+    for block in ((True, True), (16.0, 16), (0, 16)):  # bool is an int, but config.json would say [true, true]
+        with pytest.raises(MergeError, match=r"--weight-block-size .*: give two positive integers"):
+            merge_checkpoint(base, adapter, tmp_path / "out", quantize="fp8", fp8=Fp8Options(weight_block_size=block))
     assert not (tmp_path / "out").exists()
 
 

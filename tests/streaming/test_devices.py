@@ -86,3 +86,10 @@ def test_rollout_engine_device_auto_is_cuda_only_with_a_gpu():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="sees no CUDA device.*num_gpus=1"):
             engine_device("cuda", "hf", [])
+    for device in ("cpu:abc", "CPU", " cpu", "", None, 0):  # torch cannot parse it, or not a device string
+        with pytest.raises(ValueError, match=r"engine 'hf' serves on \('cpu', 'cuda'\)"):
+            engine_device(device, "hf", [])
+    past = f"cuda:{torch.cuda.device_count()}"  # one past the visible devices (cuda:0 without a GPU)
+    with pytest.raises(ValueError, match="sees no CUDA device" if not torch.cuda.is_available() else
+                       r"sees \d+ CUDA device\(s\) \(cuda:0 \.\. cuda:\d+"):
+        engine_device(past, "hf", [0])
