@@ -160,7 +160,7 @@ def _mode_of(config: SyncConfig):
         return None
     policy = FactorPolicy(mode=config.mode, factor_memory_bytes=config.factor_memory_bytes,
                           experts_per_recipe=config.experts_per_recipe)
-    return lambda trainers, get: FactorCoordination(policy, trainers, get)
+    return lambda trainers, get: FactorCoordination(policy, trainers, get, accumulate_dtype=config.accumulate_dtype)
 
 
 class PushHandle:

@@ -6,6 +6,7 @@ See docs/scale.md and the module docstrings:
 - ``plan``: factor plans (pristine bases, recipes, merged rest), validation, delta names.
 - ``source``: trainer side ``FactorSource`` (a ``WeightSource``) and ``FactorLedger`` (delta digests).
 - ``receiver``: ``FactorEngine`` (an ``EngineAdapter`` wrapper) with resident pristine copies.
+- ``rx_fp8``: a target the engine serves in block FP8: merged over the trainers' base and quantized as they would.
 - ``local``: the whole path in one process (``LocalSync``; its bench row is ``sync_service/bench/factors.py``).
 """
 

@@ -17,7 +17,7 @@ from protocols.params import ParamMeta
 from protocols.wire import SyncPlan
 from sync_service.coordinator.metrics import SyncMetrics
 from sync_service.factor_stream.choose import FactorChoice, FactorPolicy, choose
-from sync_service.factor_stream.plan import build_factor_plan, factor_targets, validate_factor_plan
+from sync_service.factor_stream.plan import build_factor_plan, engine_merged_bytes, factor_targets, validate_factor_plan
 
 __all__ = ["FactorCoordination"]
 log = logging.getLogger("weightsync.factors")
@@ -29,23 +29,29 @@ class FactorCoordination:
     Args: policy; trainers (``FactorTrainerEndpoint`` handles); get: the coordinator's bounded
     ``ray.get`` (raises ``EndpointError``)."""
 
-    def __init__(self, policy: FactorPolicy, trainers: Sequence, get: Callable[[list, str], list]) -> None:
+    def __init__(self, policy: FactorPolicy, trainers: Sequence, get: Callable[[list, str], list], *,
+                 accumulate_dtype: str = "float32") -> None:
         self.policy, self.trainers, self._get = policy, list(trainers), get
+        self.accumulate_dtype = accumulate_dtype
         self.choice: FactorChoice | None = None
         self.plan: SyncPlan | None = None
         self.stale = True
         """Receivers' factor state unknown (start, failure): the next push must be full."""
 
     def build_plan(self, owned: Sequence[Sequence[ParamMeta]], *, bucket_bytes: int) -> SyncPlan:
-        """Raises ValueError for an engine serving block FP8: factors are merged on the engine, which would then
-        have to quantize too; merged mode quantizes on the trainers."""
-        fp8 = next((m.name for ranks in owned for m in ranks if m.dtype == "float8_e4m3fn"), None)
-        if fp8 is not None:
-            raise ValueError(f"SyncConfig.mode={self.policy.mode!r}: the engines serve {fp8} in block FP8; factor "
-                             f"streaming merges on the engine, which does not quantize: use mode='merged' (the "
-                             f"trainers merge and quantize)")
+        """The factor plan of ``owned`` (the engines' dtypes: a block-FP8 target travels as the trainers' base and
+        the receiver quantizes it, ``factor_stream.rx_fp8``).
+
+        Raises:
+            ValueError: ``accumulate_dtype`` other than float32 (the receivers merge in float32), or what
+                ``choose`` / ``build_factor_plan`` raise."""
+        if self.accumulate_dtype != "float32":
+            raise ValueError(f"SyncConfig.mode={self.policy.mode!r} with accumulate_dtype={self.accumulate_dtype!r}: "
+                             f"the engines merge factor-mode tensors accumulating in float32 "
+                             f"(FactorReceiverConfig.accumulate_dtype) and would serve other roundings than the "
+                             f"trainers; use accumulate_dtype='float32' or mode='merged'")
         (costs,) = self._get([self.trainers[0].factor_costs.remote()], "factor_costs")
-        self.choice = choose(list(costs), self.policy)
+        self.choice = choose(engine_merged_bytes(list(costs), owned), self.policy)
         (raw,) = self._get([self.trainers[0].factor_recipes.remote(sorted(self.choice.factors), self.policy.experts_per_recipe,
                                                                    bucket_bytes)], "factor_recipes")
         self.plan = build_factor_plan(owned, list(raw), bucket_bytes=bucket_bytes)

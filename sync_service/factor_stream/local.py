@@ -1,5 +1,7 @@
 """Merged or factor streaming in one process, without Ray: trainer ranks as sender threads over a real
-shm channel, one ``MemoryEngine`` receiver (wrapped in a ``FactorEngine`` in factor modes).
+shm channel, one ``MemoryEngine`` receiver (wrapped in a ``FactorEngine`` in factor modes). The engine starts
+from the base, or from ``engine`` tensors (a block-FP8 checkpoint's: ``MemoryEngine.from_fp8_checkpoint``); its
+table decides the dtypes sent, as a coordinator's does (``coordinator.planning.engine_dtypes``).
 
 The same parts as a Ray deployment (``ShardedBase`` shards, ``MergedSource``, ``Sender``,
 ``BucketReceiver``, shm transport); used by the tests' equality matrix and ``factor_streaming_row``.
@@ -21,12 +23,14 @@ from dataclasses import dataclass, field
 import torch
 
 from protocols.wire import SyncPlan
-from sync_service.coordinator.planning import build_sync_plan
+from sync_service.coordinator.planning import build_sync_plan, engine_dtypes
 from sync_service.engines.memory import MemoryEngine
 from sync_service.factor_stream.choose import FactorChoice, FactorPolicy, choose
-from sync_service.factor_stream.plan import adapter_recipes, build_factor_plan, factor_targets, recipe_names_of, target_costs, validate_factor_plan
+from sync_service.factor_stream.plan import (adapter_recipes, build_factor_plan, engine_merged_bytes, factor_targets,
+                                             recipe_names_of, target_costs, validate_factor_plan)
 from sync_service.factor_stream.receiver import FactorEngine, FactorReceiverConfig
 from sync_service.factor_stream.recipes import factor_wire_dtype
+from sync_service.fp8 import table_blocks
 from sync_service.factor_stream.source import FactorLedger, FactorSource
 from sync_service.merge.adapter import adapter_from_state_dict
 from sync_service.merge.source import MergeConfig, MergedSource
@@ -52,6 +56,8 @@ class LocalSyncConfig:
     """Bucket payload size, bytes (multiple of 64)."""
     staging_bytes: int = 64 << 20
     """Merge scratch budget on trainers and receiver, bytes."""
+    accumulate_dtype: str = "float32"
+    """The merge's accumulation dtype on trainers and receiver (``MergeConfig.accumulate_dtype``)."""
     pristine_device: str = "cpu"
     """Where the receiver keeps pristine copies (``FactorReceiverConfig.pristine_device``)."""
     timeout_s: float = 60.0
@@ -72,12 +78,13 @@ class PushStats:
 class LocalSync:
     """Trainer ranks over ``base`` (hf-fused tensors, whole) → one engine started from ``base``."""
 
-    def __init__(self, base: Mapping[str, torch.Tensor], layout, peft_config, *, config: LocalSyncConfig) -> None:
+    def __init__(self, base: Mapping[str, torch.Tensor], layout, peft_config, *, config: LocalSyncConfig,
+                 engine: Mapping[str, torch.Tensor] | None = None) -> None:
         self.config, self.layout, self.peft_config = config, layout, peft_config
         self.world = config.ep * config.tp
         self.shards = [shard_tensors(base, ShardSpec(rank=r, ep=config.ep, tp=config.tp), layout=layout)
                        for r in range(self.world)]
-        self.memory = MemoryEngine({n: t.clone() for n, t in base.items()})
+        self.memory = MemoryEngine({n: t.clone() for n, t in (base if engine is None else engine).items()})
         self.engine = self.memory
         self.plan: SyncPlan | None = None
         self.choice: FactorChoice | None = None
@@ -91,29 +98,35 @@ class LocalSync:
         return self.config.policy.mode != "merged"
 
     def _sources(self, state: Mapping[str, torch.Tensor]) -> list[MergedSource]:
+        """Each rank's ``MergedSource`` of ``state``, set from the plan once it exists (the engine's dtypes and
+        FP8 blocks, as ``live.endpoint`` sets them per send)."""
+        sent = {} if self.plan is None else {e.name: e.dtype for e in self.plan.entries if e.recipe is None}
         out = []
         for shard in self.shards:
             adapter = adapter_from_state_dict(self.peft_config, dict(state), shard.layout, shard.metas(),
                                               tied_aliases=shard.tied_aliases)
-            out.append(MergedSource(shard, adapter, config=MergeConfig(staging_bytes=self.config.staging_bytes),
-                                    owned=shard.owned(), layout=shard.layout))
+            config = MergeConfig(staging_bytes=self.config.staging_bytes, accumulate_dtype=self.config.accumulate_dtype,
+                                 out_dtypes=sent, fp8_blocks=table_blocks(e for e in self.plan.entries if e.recipe is None)
+                                 if self.plan is not None else None)
+            out.append(MergedSource(shard, adapter, config=config, owned=shard.owned(), layout=shard.layout))
         return out
 
     def _setup(self, sources: list[MergedSource], state: Mapping[str, torch.Tensor]) -> None:
-        owned = [s.param_metas() for s in sources]
+        owned, _ = engine_dtypes([s.param_metas() for s in sources], {"local": self.memory.param_metas()})
         cap = self.config.bucket_bytes
         if not self.factor_mode:
             self.plan = build_sync_plan(owned, bucket_bytes=cap)
         else:
             metas = self.shards[0].metas()
-            self.choice = choose(target_costs(sources[0].adapter, metas, {}), self.config.policy)
+            self.choice = choose(engine_merged_bytes(target_costs(sources[0].adapter, metas, {}), owned), self.config.policy)
             recipes = adapter_recipes(sources[0].adapter, metas, sorted(self.choice.factors),
                                       experts_per_recipe=self.config.policy.experts_per_recipe, bucket_bytes=cap,
                                       wire_dtype=factor_wire_dtype(state.values()))
             self.plan = build_factor_plan(owned, recipes, bucket_bytes=cap)
             validate_factor_plan(self.plan, self.memory.param_metas(), engine="local")
             self.engine = FactorEngine(self.memory, self.plan, config=FactorReceiverConfig(
-                pristine_device=self.config.pristine_device, staging_bytes=self.config.staging_bytes))
+                pristine_device=self.config.pristine_device, staging_bytes=self.config.staging_bytes,
+                accumulate_dtype=self.config.accumulate_dtype))
         spec = TransportSpec(kind="shm", name="f" + uuid.uuid4().hex[:10], bucket_bytes=cap, num_senders=self.world,
                              connect_timeout_s=self.config.timeout_s, op_timeout_s=self.config.timeout_s)
         self._txs = [open_sender(spec, r) for r in range(self.world)]
@@ -130,6 +143,7 @@ class LocalSync:
         sources = self._sources(state)
         if self.plan is None:
             self._setup(sources, state)
+            sources = self._sources(state)  # now with the plan's dtypes
         full = not self._full_done if full is None else full
         names = None if full else self._delta_names(version, sources)
         if full and self.factor_mode:  # record the digests of this version's blocks (all of them move)

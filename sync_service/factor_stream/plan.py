@@ -16,6 +16,7 @@ so its values are those a merged-mode sync would have written, box for box.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 
 from protocols.params import DTYPE_BYTES, Box, ParamMeta, box_numel
 from protocols.recipe import Recipe
@@ -23,10 +24,11 @@ from protocols.wire import PlanEntry, SyncPlan
 from sync_service.coordinator.planning import PlanMismatchError, validate_plan
 from sync_service.factor_stream.choose import TargetCost
 from sync_service.factor_stream.recipes import factor_dtype_of, recipes_for_target, term_factor_bytes
+from sync_service.fp8 import FP8_WIRE, scale_name, table_blocks
 from sync_service.merge.terms import LoraAdapter
 from sync_service.streaming.plan import _pack, combine_plans, split_box
 
-__all__ = ["target_costs", "adapter_recipes", "build_factor_plan", "validate_factor_plan", "factor_targets",
+__all__ = ["target_costs", "engine_merged_bytes", "adapter_recipes", "build_factor_plan", "validate_factor_plan", "factor_targets",
            "recipe_names_of", "merged_boxes"]
 
 
@@ -46,6 +48,20 @@ def target_costs(adapter: LoraAdapter, base_metas: Sequence[ParamMeta], out_dtyp
         costs.append(TargetCost(name=name, merged_bytes=merged, factor_bytes=term_factor_bytes(adapter.terms.get(name, [])),
                                 pristine_bytes=box_numel(meta.covered_box()) * DTYPE_BYTES[meta.dtype], why_not=why))
     return costs
+
+
+def engine_merged_bytes(costs: Sequence[TargetCost], owned: Sequence[Sequence[ParamMeta]]) -> list[TargetCost]:
+    """``costs`` (``target_costs``, the trainers' dtypes) with the merged bytes of each tensor the engines serve in
+    block FP8 as they travel merged: its FP8 values plus its scales (``owned``: the engines' dtypes and scale boxes,
+    ``coordinator.planning.engine_dtypes``), about half a bf16 tensor's: what ``choose`` weighs factors against."""
+    fp8 = {m.name for ranks in owned for m in ranks if m.dtype == FP8_WIRE}
+    values_of = {**{n: n for n in fp8}, **{scale_name(n): n for n in fp8}}
+    sent: dict[str, int] = {}
+    for m in (m for ranks in owned for m in ranks):
+        values = values_of.get(m.name)
+        if values is not None:
+            sent[values] = sent.get(values, 0) + box_numel(m.covered_box()) * DTYPE_BYTES[m.dtype]
+    return [replace(c, merged_bytes=sent[c.name]) if c.name in sent else c for c in costs]
 
 
 def adapter_recipes(adapter: LoraAdapter, base_metas: Sequence[ParamMeta], targets: Iterable[str], *,
@@ -69,11 +85,38 @@ def _contains(box: Box, point: tuple[int, ...]) -> bool:
     return len(box) == len(point) and all(a <= p < b for (a, b), p in zip(box, point))
 
 
+def _pristine_dtypes(owned: Sequence[Sequence[ParamMeta]], by_target: Mapping[str, list[Recipe]]
+                     ) -> tuple[dict[str, str], set[str]]:
+    """Factor target → the dtype its pristine base travels in (the trainers': the recipes' ``target_dtype``), and
+    the scales names of the targets the engines serve in block FP8 (the receiver quantizes them).
+
+    Raises:
+        ValueError: a target the engines hold in another floating dtype than the trainers' base.
+    """
+    dtypes: dict[str, str] = {}
+    scales: set[str] = set()
+    for m in (m for ranks in owned for m in ranks if m.name in by_target):
+        base = by_target[m.name][0].target_dtype
+        if m.dtype == FP8_WIRE:
+            scales.add(scale_name(m.name))
+        elif m.dtype != base:
+            raise ValueError(f"factor streaming of {m.name}: the engines hold it in {m.dtype}, the trainers' base in "
+                             f"{base}, and the engine merges over the base it holds (a {m.dtype} copy is not the "
+                             f"trainers' base: it would serve other values than merged mode); load the engines in "
+                             f"{base} or in block FP8, or use SyncConfig(mode='merged')")
+        dtypes[m.name] = base
+    return dtypes, scales
+
+
 def build_factor_plan(owned: Sequence[Sequence[ParamMeta]], recipes: Sequence[Recipe], *, bucket_bytes: int) -> SyncPlan:
     """One plan for all trainer ranks (``owned[rank]``: the rank's global boxes in production order).
 
+    ``owned`` carries the engines' dtypes (``coordinator.planning.engine_dtypes``): a target listed as FP8 values
+    plus scales is planned as its pristine base in the trainers' dtype, without the scales.
+
     Raises:
-        ValueError: a recipe whose anchor no rank owns, or any ``build_plan`` error.
+        ValueError: a recipe whose anchor no rank owns, a target the engines hold in another floating dtype
+            (``_pristine_dtypes``), or any ``build_plan`` error.
     """
     by_target: dict[str, list[Recipe]] = {}
     for r in recipes:
@@ -87,8 +130,10 @@ def build_factor_plan(owned: Sequence[Sequence[ParamMeta]], recipes: Sequence[Re
     orphans = [r.entry_name() for r in recipes if r.entry_name() not in sender_of]
     if orphans:
         raise ValueError(f"no trainer rank owns the first element of recipe(s) {orphans[:3]}; the owned boxes do not cover the targets")
+    pristine, fp8_scales = _pristine_dtypes(owned, by_target)
     plans = []
     for rank, metas in enumerate(owned):
+        metas = [replace(m, dtype=pristine.get(m.name, m.dtype)) for m in metas if m.name not in fp8_scales]
         last_box = {m.name: i for i, m in enumerate(metas)}
         pieces: list[tuple] = []
         for i, m in enumerate(metas):
@@ -122,16 +167,28 @@ def merged_boxes(plan: SyncPlan) -> dict[str, list[Box]]:
     return out
 
 
+def _factor_table(plan: SyncPlan, table: Sequence[ParamMeta]) -> list[ParamMeta]:
+    """The engine's ``table`` as a factor plan covers it: a factor target it serves in block FP8 listed in the
+    plan's dtype of its pristine base (the trainers'), its scales left out (the receiver quantizes them).
+    Raises what ``fp8.table_blocks`` raises."""
+    fp8 = factor_targets(plan) & table_blocks(table).keys()
+    dtypes = {e.name: e.dtype for e in plan.entries if e.recipe is None and e.name in fp8}
+    scales = {scale_name(n) for n in fp8}
+    return [replace(m, dtype=dtypes.get(m.name, m.dtype)) for m in table if m.name not in scales]
+
+
 def validate_factor_plan(plan: SyncPlan, table: Sequence[ParamMeta], *, engine: str) -> None:
     """Check a factor plan against one engine's table before any byte moves.
 
-    Tensor entries must cover the table exactly (``coordinator.planning.validate_plan``); each recipe
+    Tensor entries must cover the table exactly (``coordinator.planning.validate_plan``; a block-FP8 target as its
+    pristine base in the plan's dtype, its scales made by the receiver: ``_factor_table``); each recipe
     must name a tensor of the table with the recipe's shape and dtype, and every term's blocks must
     cover its expert range exactly once.
 
     Raises:
         PlanMismatchError: names, shapes or dtypes do not fit; ValueError: incomplete term blocks.
     """
+    table = _factor_table(plan, table)
     validate_plan(SyncPlan(bucket_bytes=plan.bucket_bytes, entries=tuple(e for e in plan.entries if e.recipe is None)),
                   table, engine=engine)
     by_name = {m.name: m for m in table}

@@ -8,7 +8,9 @@ so a target none of whose factors changed is neither re-merged nor restaged, the
 serving it — with the merge core's own code (``MergedSource.fill`` over a ``TensorDictBase`` of the
 pristine copies and a ``LoraAdapter`` of the rebuilt terms) over the same boxes a merged-mode plan
 has, and applies the result to the wrapped engine's staging: the engine holds bitwise what a
-merged-mode sync of the version would have written. A target is merged on a worker thread
+merged-mode sync of the version would have written. A target the engine serves in block FP8 arrives as the
+trainers' base in their dtype (never FP8) and is merged and quantized into its FP8 values and scales over the
+merged plan's pieces (``rx_fp8``), so those bytes too are merged mode's. A target is merged on a worker thread
 (``rx_merge.MergePool``) as soon as its last piece of the sync (base box or factor block) has been
 applied, overlapped with the rest of the stream; ``finish_update`` waits for the tail.
 
@@ -33,7 +35,9 @@ from protocols.wire import SyncPlan
 from sync_service.dtypes import TORCH_DTYPES
 from sync_service.factor_stream.plan import merged_boxes
 from sync_service.factor_stream.recipes import TermBuffers, term_dtype, terms_by_target
+from sync_service.factor_stream.rx_fp8 import fp8_targets
 from sync_service.factor_stream.rx_merge import MergePool
+from sync_service.fp8 import table_blocks, table_scale_dtypes
 from sync_service.merge.base import TensorDictBase
 from sync_service.merge.source import MergeConfig, MergedSource
 from sync_service.merge.terms import LoraAdapter
@@ -56,6 +60,9 @@ class FactorReceiverConfig:
     staging_bytes: int = 64 << 20
     """fp32 merge scratch budget, bytes: must equal the trainers' ``MergeConfig.staging_bytes`` (a
     different chunking may round differently)."""
+    accumulate_dtype: str = "float32"
+    """The merge's accumulation dtype (``MergeConfig.accumulate_dtype``): must equal the trainers'
+    (``SyncConfig.accumulate_dtype``), or the engine serves other roundings than merged mode."""
     merge_threads: int = 0
     """Worker threads merging targets while the stream goes on (each one target at a time, on the
     torch intra-op threads the process has); ``0``: the CPUs this process may run on, at most 4.
@@ -77,7 +84,10 @@ class FactorEngine:
         self._blocks = {t: {i: [r.experts for r in rs] for i, rs in terms.items()}
                         for t, terms in terms_by_target(list(self._recipes.values())).items()}
         self._boxes = merged_boxes(plan)
-        self._table = {m.name: m for m in engine.param_metas()}
+        table = list(engine.param_metas())
+        self._table = {m.name: m for m in table}
+        self._fp8 = fp8_targets(plan, table, table_blocks(table), table_scale_dtypes(table), frozenset(self._blocks))
+        """Targets the engine serves in block FP8: merged over the trainers' base and quantized (``rx_fp8``)."""
         self._pristine: dict[str, torch.Tensor] = {}
         self._terms: dict[str, dict[int, TermBuffers]] = {}
         threads = self.config.merge_threads or min(4, len(os.sched_getaffinity(0)))
@@ -132,6 +142,8 @@ class FactorEngine:
                 self._remerge[target] = None
                 self._waiting.setdefault(target, set()).add(name)
             engine_names.append(target or name)
+            if target in self._fp8:
+                engine_names.append(self._fp8[target].scales)
         self.inner.begin_update(version, list(dict.fromkeys(engine_names)))
 
     def apply(self, name: str, box: Box, data: torch.Tensor) -> None:
@@ -232,16 +244,22 @@ class FactorEngine:
         """Merge every box of ``target`` into the engine's staging (on a merge worker). A delta carries
         only the changed expert blocks' factors, but an engine's update covers whole tensors
         (``engines.staging``: never pre-filled from served values), so the unchanged blocks are
-        re-merged from the resident W0 and terms (bitwise what they were)."""
+        re-merged from the resident W0 and terms (bitwise what they were). A block-FP8 target is merged
+        and quantized into its values and scales over the merged plan's pieces (``rx_fp8``)."""
         meta = self._table[target]
         adapter = LoraAdapter(terms={target: [bufs[i].term() for i in sorted(bufs)]})
-        source = MergedSource(TensorDictBase({target: w0}), adapter, config=MergeConfig(staging_bytes=self.config.staging_bytes),
-                              owned=[ParamMeta(target, meta.dtype, meta.shape)])
-        dtype = TORCH_DTYPES[meta.dtype]
-        for box in self._boxes[target]:
+        config = MergeConfig(staging_bytes=self.config.staging_bytes, accumulate_dtype=self.config.accumulate_dtype)
+        fp8 = self._fp8.get(target)
+        if fp8 is None:
+            owned = [ParamMeta(target, meta.dtype, meta.shape)]
+            pieces = [(target, box, meta.dtype) for box in self._boxes[target]]
+        else:
+            config, owned, pieces = fp8.merge_config(config), fp8.owned, fp8.pieces
+        source = MergedSource(TensorDictBase({target: w0}), adapter, config=config, owned=owned)
+        for name, box, dtype in pieces:
             if self._pool.cancelled.is_set():
                 return
-            out = self._pool.out_buffer(box_shape(box), dtype, self.device)
-            source.fill(target, box, out)
+            out = self._pool.out_buffer(box_shape(box), TORCH_DTYPES[dtype], self.device)
+            source.fill(name, box, out)
             with self._apply_lock:
-                self.inner.apply(target, box, out)
+                self.inner.apply(name, box, out)

@@ -8,8 +8,10 @@ transformers' own ``Fp8Quantize`` (the engine's ``scale_fmt``) of PEFT's float64
 adapter (the unquantized tensors: that merge cast once to bf16), written as a checkpoint: with float64
 accumulation the engine's served FP8 bytes and scales are that reference bit for bit and its greedy tokens
 equal a fresh HF engine's on it (transformers' ``FineGrainedFP8Config(dequantize=True)`` load); with fp32
-accumulation >= 99.9 % of FP8 bytes are equal and none is more than one FP8 step away. One Ray session, one
-pool of two trainer actors.
+accumulation >= 99.9 % of FP8 bytes are equal and none is more than one FP8 step away. The bf16 trainers then
+sync the float32-scales engine in factor mode (the engine keeps their bf16 base, merges and quantizes;
+bitwise merged mode's bytes: ``tests/factor_stream/test_fp8_factors.py``), checked the same way at fp32
+accumulation. One Ray session, one pool of two trainer actors.
 """
 
 from __future__ import annotations
@@ -175,14 +177,16 @@ def test_the_engine_serves_fp8_where_transformers_quantizes(files, engines, scal
 
 
 def full_then_delta(files, trainers, engine, replay: AdapterReplay, v: int, tmp_path: Path, *, base: Path,
-                    scale_fmt: str, accumulate: str, what: str) -> int:
-    """A full push and a delta (after ``train_step``) into ``engine``, each checked against transformers'
-    ``Fp8Quantize(scale_fmt)`` of PEFT's float64 merge of that version; returns the next version."""
+                    scale_fmt: str, accumulate: str, what: str, mode: str = "merged") -> int:
+    """A full push and a delta (after ``train_step``) into ``engine`` in ``SyncConfig.mode`` ``mode``, each checked
+    against transformers' ``Fp8Quantize(scale_fmt)`` of PEFT's float64 merge of that version; returns the next
+    version."""
     from sync_service.engines.hf import HFEngine
 
     base_dtype = next(iter(load_file(str(base / "model.safetensors")).values())).dtype
     sync = WeightSync(trainers=trainers, engines=[engine], config=SyncConfig(
-        transport="shm", bucket_bytes=4 << 10, timeout_s=90, reset_versions=True, accumulate_dtype=accumulate))
+        transport="shm", bucket_bytes=4 << 10, timeout_s=90, reset_versions=True, accumulate_dtype=accumulate,
+        mode=mode))
     try:
         assert sync.dtype_conversions[(str(base_dtype).removeprefix("torch."), "float8_e4m3fn")] == 6
         for full in (True, False):
@@ -191,8 +195,9 @@ def full_then_delta(files, trainers, engine, replay: AdapterReplay, v: int, tmp_
                 replay.step(v)
             m = sync.push(v)
             assert m.full == full and all(e.committed for e in m.engines)
+            assert mode == "merged" or len(m.factor_tensors) >= 6, m.factor_tensors  # FP8 targets as factors
             ref = reference(files, base, replay.save(tmp_path / f"a{v}"), tmp_path / f"v{v}", scale_fmt)
-            here = f"{what}, {scale_fmt} scales, accumulate {accumulate}, version {v}"
+            here = f"{what}, {scale_fmt} scales, accumulate {accumulate}, {mode} mode, version {v}"
             got = served(engine)
             check(got, read_fp8_checkpoint(ref)[0], accumulate == "float64", here)
             if scale_fmt == "ue8m0":  # every scale a power of two, as float8_e8m0fnu holds them
@@ -223,9 +228,12 @@ def test_ep2_trainers_sync_fp8_full_then_delta(files, engines, trainer_pool, tmp
     for scale_fmt, accumulate in RUNS[dtype]:
         v = full_then_delta(files, trainers, engines[scale_fmt], replay, v, tmp_path, base=base, scale_fmt=scale_fmt,
                             accumulate=accumulate, what=f"EP=2, {dtype} base")
-    with pytest.raises(ValueError, match="factor streaming merges on the engine"):
-        WeightSync(trainers=trainers, engines=[engines["float"]], config=SyncConfig(transport="shm", mode="factors",
-                                                                                   reset_versions=True))
+    if dtype == "bfloat16":  # factor mode: the engine keeps the trainers' bf16 base, merges and quantizes
+        with pytest.raises(ValueError, match="accumulate_dtype='float64': the engines merge factor-mode tensors"):
+            WeightSync(trainers=trainers, engines=[engines["float"]], config=SyncConfig(
+                transport="shm", mode="factors", reset_versions=True, accumulate_dtype="float64"))
+        full_then_delta(files, trainers, engines["float"], replay, v, tmp_path, base=base, scale_fmt="float",
+                        accumulate="float32", what=f"EP=2, {dtype} base", mode="factors")
 
 
 def test_tp2_trainers_sync_an_fp8_engine_whose_block_divides_their_shards(files, engines, trainer_pool, tmp_path):
