@@ -2,7 +2,7 @@
 base's shapes, each in a floating dtype the trainers' merge can cast into (``coordinator.planning.engine_dtypes``),
 or a block-FP8 checkpoint for ``--engine hf`` (``quantization_config`` quant_method "fp8": a quantized tensor is
 float8_e4m3fn in the base's shape with ``*_scale_inv`` of the block grid beside it, float32 or, with scale_fmt
-"ue8m0", float8_e8m0fnu). A block-FP8 ``--base`` is compared as the trainers read it (``merge.fp8_base``): its FP8
+"ue8m0", float8_e8m0fnu; no scale without its FP8 values). A block-FP8 ``--base`` is compared as the trainers read it (``merge.fp8_base``): its FP8
 tensors as float32, its scales not at all. Checked from the safetensors headers before Ray starts (no tensor is
 read); a bad one exits 2 in one line."""
 
@@ -133,4 +133,9 @@ def _fp8_values(args: argparse.Namespace, engine_base: Path, quant: dict,
         if grid is None or shape[-2] % block[0] or shape[-1] % block[1] or got != (scales, grid):
             fail(args, f"--engine-base {engine_base}: {name} {list(shape)} needs {scales} scales {scale_name(name)} "
                        f"{list(grid or ())} for blocks {list(block)}, got {got}; write it with weightsync merge --quantize fp8")
+    used = {scale_name(n) for n, (dtype, _) in tensors.items() if dtype == "float8_e4m3fn"}
+    stray = sorted(n for n in tensors if n.endswith("_scale_inv") and n not in used)
+    if stray:  # scales beside bf16 values: the engine would load them or drop them, neither what the file says
+        fail(args, f"--engine-base {engine_base}: {stray[0]} has no float8_e4m3fn values beside it ({len(stray)} such "
+                   f"scale tensor(s)); write it with weightsync merge --quantize fp8")
     return {n: t for n, t in tensors.items() if not n.endswith("_scale_inv")}

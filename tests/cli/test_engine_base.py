@@ -170,3 +170,16 @@ def test_a_bad_fp8_base_is_named_before_the_engine_base_is_compared_with_it(file
           "quantization_config it was written with")
     fails(capsys, [*argv, str(_variant(fp8_engine_bases["float"], tmp_path / "awq", quant_method="awq"))],
           "--base: ", "quant_method 'awq': a quantized base is read only as block FP8")
+
+
+def test_a_scale_beside_unquantized_values_in_the_engine_base_is_refused(files, fp8_engine_bases, tmp_path, capsys):
+    """Scales with no FP8 values beside them (here lm_head's, bf16) are refused by name, as the FP8 base's reader
+    refuses them; before, the preflight dropped every *_scale_inv name and the engine served the file anyway."""
+    from safetensors.torch import load_file, save_file
+
+    stray = shutil.copytree(fp8_engine_bases["float"], tmp_path / "stray")
+    tensors = load_file(str(stray / "model.safetensors"))
+    tensors["lm_head.weight_scale_inv"] = torch.ones(4, 1)
+    save_file(tensors, str(stray / "model.safetensors"), metadata={"format": "pt"})
+    fails(capsys, ["sync", "--base", str(files["base"]), "--adapter", str(files["lora"]), "--ep", "1",
+                   "--engine-base", str(stray)], "lm_head.weight_scale_inv has no float8_e4m3fn values beside it")
