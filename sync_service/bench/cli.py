@@ -58,7 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disk-max-size", type=int, default=d.disk_max_size,
                         help=f"run the disk row at sizes <= this (default {d.disk_max_size})")
     parser.add_argument("--live-max-size", type=int, default=d.live_max_size,
-                        help=f"run the live FSDP2 trainer row at sizes <= this (default {d.live_max_size})")
+                        help=f"run the live FSDP2 and HSDP trainer rows at sizes <= this (default {d.live_max_size})")
+    parser.add_argument("--live-mesh-max-size", type=int, default=d.live_mesh_max_size,
+                        help=f"run the live FSDP2 x TP and FSDP2 x EP trainer rows at sizes <= this (default "
+                             f"{d.live_mesh_max_size})")
     parser.add_argument("--fp8-max-size", type=int, default=d.fp8_max_size,
                         help=f"run the block-FP8 engine row at sizes <= this (default {d.fp8_max_size})")
     parser.add_argument("--vllm", action="store_true", help="also run the vLLM rows: in-process vLLM, a vLLM server, "
@@ -93,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
         return drive(args.link_driver, args.launcher)
     cfg = BenchConfig(sizes=args.sizes, bucket_bytes=args.bucket_mb << 20, repeats=args.repeats, quick=args.quick,
                       full_max_size=args.full_max_size, fanout_max_size=args.fanout_max_size, gather_max_size=args.gather_max_size,
-                      disk_max_size=args.disk_max_size, live_max_size=args.live_max_size, fp8_max_size=args.fp8_max_size, vllm=args.vllm,
+                      disk_max_size=args.disk_max_size, live_max_size=args.live_max_size,
+                      live_mesh_max_size=args.live_mesh_max_size, fp8_max_size=args.fp8_max_size, vllm=args.vllm,
                       vllm_max_size=args.vllm_max_size, cache_dir=args.cache_dir, timeout_s=args.timeout,
                       links=args.link, link_max_size=args.link_max_size, link_transport=args.link_transport,
                       link_only=args.link_only, json_path=args.json, plot_path=args.plot)  # ValueError: one line, exit 2

@@ -8,7 +8,10 @@ engine host 0, then
   1. ``delta``: merged delta syncs (one untimed first full sync), ``SyncConfig.transport`` =
      ``cfg.link_transport`` bound to the driver's address;
   2. ``factors``, ``auto``: the same with ``mode="factors"`` / ``"auto"`` (a fresh ``WeightSync`` each:
-     its first full sync carries the pristine base);
+     its first full sync carries the pristine base) — ``LINK_MODES``;
+     ``delta_fp8``: merged delta syncs into a second engine on engine host 0, loaded from the block-FP8
+     checkpoint of the model (``model.ensure_fp8_engine``, written before the engines start): the trainers
+     quantize each merged box into the bucket, so about half the delta's bytes cross the link;
   3. ``delta_fanout2``: a second engine on engine host 1, merged delta syncs to both (``relay="auto"``:
      engine 0 relays every bucket to engine 1); ``delta_fanout2_direct``: the same with ``relay="direct"``;
   4. ``floor``: the delta's payload bytes over a plain TCP socket, trainers' host -> engine host 0;
@@ -27,14 +30,17 @@ from pathlib import Path
 import ray
 
 from sync_service.bench.baselines import run_disk, run_gather
-from sync_service.bench.model import BenchModel
+from sync_service.bench.model import BenchModel, ensure_fp8_engine
 from sync_service.bench.ours import PushRuns
 from sync_service.bench.rows import BenchConfig, Placement, Row, median_index
 from sync_service.bench.sock import LinkEnd
 from sync_service.bench.wire import WireMeter
 from sync_service.netns import Host
 
-__all__ = ["LinkSite", "run_link_rows"]
+__all__ = ["LINK_MODES", "LinkSite", "run_link_rows"]
+
+LINK_MODES = {"delta": "merged", "factors": "factors", "auto": "auto"}
+"""The link rows of one bf16 engine: row kind -> ``SyncConfig.mode``."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -84,15 +90,21 @@ def _disk(model: BenchModel, cfg: BenchConfig, size: int, site: LinkSite, work_d
 
 def _ours(model: BenchModel, cfg: BenchConfig, size: int, site: LinkSite, rows: list[Row], launcher, say) -> None:
     placement = site.placement()
+    fp8_dir = ensure_fp8_engine(model)
     trainers = launcher.start_trainers(model.base_dir, model.adapter_dir, ep=cfg.ep, timeout_s=cfg.timeout_s,
                                        actor_options=placement.trainer_options)
     engines = launcher.start_engines(model.base_dir, 1, timeout_s=cfg.timeout_s, actor_options=placement.engines(1))
     runs = PushRuns(trainers, cfg, size, model.shape.bf16_bytes(), meter=site.meter(),
                     sync_kw={"transport": cfg.link_transport, "bind_host": site.trainer.address})
+    fp8: list = []
     try:
-        for kind, mode in (("delta", "merged"), ("factors", "factors"), ("auto", "auto")):
+        for kind, mode in LINK_MODES.items():
             say(f"  {size}x {kind} (1 engine host)")
             rows.extend(runs.rows({kind: {"mode": mode}}, engines))
+        say(f"  {size}x delta into a block-FP8 engine (1 engine host)")
+        fp8 = launcher.start_engines(fp8_dir, 1, timeout_s=cfg.timeout_s, prefix="fp8", actor_options=placement.engines(1))
+        rows.extend(runs.rows({"delta_fp8": True}, fp8))
+        ray.kill(fp8.pop())  # its memory back before the fan-out row's second engine
         if len(site.engine_options) > 1:
             say(f"  {size}x delta (2 engines on 2 hosts)")
             engines += launcher.start_engines(model.base_dir, 1, timeout_s=cfg.timeout_s, prefix="fanout",
@@ -101,7 +113,7 @@ def _ours(model: BenchModel, cfg: BenchConfig, size: int, site: LinkSite, rows: 
             say(f"  {size}x delta (2 engines on 2 hosts, each from the trainers)")
             rows.extend(runs.rows({"delta_fanout2_direct": {"relay": "direct"}}, engines))
     finally:
-        for actor in [*trainers, *engines]:
+        for actor in [*trainers, *engines, *fp8]:
             ray.kill(actor)
 
 

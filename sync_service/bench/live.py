@@ -1,10 +1,12 @@
 """The live-trainer rows: a user's training job (AdamW) -> 1 engine, delta sync.
 
-``live_fsdp2``: 2 ranks, FSDP2; ``live_hsdp``: 4 ranks on a (replicate 2, shard 2) mesh (``LIVE_KINDS``: the
-``weightsync demo --trainer`` kinds, ``entrypoints/demo_live.TRAINERS``). Per size: ``ExampleTrainingRank``
-actors (``sync_service/live/example.py``: the same training rank the demo runs) load the bench base in bf16,
-add PEFT LoRA of the bench adapter's rank on attention + experts, ``fully_shard`` it per decoder layer on the
-kind's mesh and ``attach_trainer``; one transformers engine. One untimed first (full) push, then ``repeats`` times: an AdamW step on every
+``live_fsdp2``: 2 ranks, FSDP2; on 4 ranks, 2-D meshes: ``live_hsdp`` (replicate 2, shard 2), ``live_fsdp2_tp``
+(shard 2, tp 2: attention TP, then FSDP2), ``live_fsdp2_ep`` (dp 2, ep 2: experts on the ep axis) — ``LIVE_KINDS``:
+the ``weightsync demo --trainer`` kinds, ``entrypoints/demo_live.TRAINERS``. Per size: ``ExampleTrainingRank``
+actors (``sync_service/live/example.py``: the same training rank the demo runs) load the bench base in bf16
+(a kind with ``tp_base``: ``ModelShape.tp_variant``, 2 key/value heads, its own cached base, which its engine
+loads too), add PEFT LoRA of the bench adapter's rank on attention + experts, shard it on the kind's mesh and
+``attach_trainer``; one transformers engine. One untimed first (full) push, then ``repeats`` times: an AdamW step on every
 rank, then a timed delta push. Trainer extra memory (allocated) is sampled per push from right
 after its training step (the step's activations and optimizer state are training memory, not sync
 memory); ``Row.trainer_gathered_bytes`` is the endpoint's factor gather buffers (``ShardGather``), the
@@ -15,15 +17,18 @@ from __future__ import annotations
 
 import ray
 
-from sync_service.bench.model import BenchModel
+from sync_service.bench.model import BenchModel, ensure_model
 from sync_service.bench.rows import BenchConfig, Row, median_index
 from sync_service.bench.rss import RssSampler, actor_pid
 from sync_service.entrypoints.demo_live import TRAINERS, TrainerKind
 
-__all__ = ["LIVE_KINDS", "live_goal", "run_live"]
+__all__ = ["LIVE_GOALS", "LIVE_KINDS", "live_goal", "live_goals", "run_live"]
 
-LIVE_KINDS = {"live_fsdp2": "fsdp2", "live_hsdp": "hsdp"}
+LIVE_KINDS = {"live_fsdp2": "fsdp2", "live_hsdp": "hsdp", "live_fsdp2_tp": "fsdp2-tp", "live_fsdp2_ep": "fsdp2-ep"}
 """Row kind -> its ``weightsync demo --trainer`` kind (mesh, ranks)."""
+LIVE_GOALS = {"live_fsdp2": "live_trainer_memory", "live_hsdp": "live_hsdp_trainer_memory",
+              "live_fsdp2_tp": "live_fsdp2_tp_trainer_memory", "live_fsdp2_ep": "live_fsdp2_ep_trainer_memory"}
+"""Row kind -> the name of its memory goal in the report (``live_goal``)."""
 
 
 def _gathered_bytes(_actor, endpoint_id: str) -> int:
@@ -50,6 +55,8 @@ def run_live(model: BenchModel, cfg: BenchConfig, size: int, launcher, say=print
     from sync_service.api import SyncConfig, WeightSync
 
     trainer = TRAINERS[LIVE_KINDS[kind]]
+    if trainer.tp_base:
+        model = ensure_model(model.shape.tp_variant(), cfg.cache_dir)
     say(f"  {size}x live {LIVE_KINDS[kind]} trainer ({trainer.world} ranks, mesh {trainer.mesh}) -> 1 engine, delta")
     ranks, engines = [], []
     try:
@@ -92,3 +99,8 @@ def live_goal(rows: list[Row], bucket_bytes: int, kind: str = "live_fsdp2") -> d
     budget = {s: 2 * bucket_bytes + r.trainer_gathered_bytes for s, r in live.items()}
     return {"goal": "live trainer peak extra <= 2 x bucket + gathered factors, flat in model size", "value": value,
             "budget": budget, "met": all(value[s] <= budget[s] for s in value) if value else None}
+
+
+def live_goals(rows: list[Row], bucket_bytes: int) -> dict[str, dict]:
+    """``live_goal`` of every live row kind, by its ``LIVE_GOALS`` name."""
+    return {name: live_goal(rows, bucket_bytes, kind) for kind, name in LIVE_GOALS.items()}

@@ -1,8 +1,9 @@
 """The benchmark's model: a bf16 Qwen3-MoE base scaled by layers, and one PEFT LoRA adapter on it.
 
-Legend: H hidden, I expert intermediate, E experts, L layers, r LoRA rank. Per layer the base holds
-E·3·I·H expert weights (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]) plus q/k/v/o (2 heads,
-1 kv head), so size x holds about x · ``unit_bytes`` bytes of bf16. The adapter is a PEFT
+Legend: H hidden, I expert intermediate, E experts, L layers, r LoRA rank, K key/value heads. Per layer the
+base holds E·3·I·H expert weights (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]) plus q/k/v/o (2
+heads of H/2, K = 1 key/value head; ``tp_variant``: K = 2, so attention splits over tp = 2), so size x holds
+about x · ``unit_bytes`` bytes of bf16. The adapter is a PEFT
 ``target_parameters`` LoRA on both expert tensors and ``target_modules`` LoRA on q/k/v/o (what
 ``sync_service.synthetic.make_adapter(kind="target_parameters")`` writes), with seeded random
 non-zero factors.
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -24,6 +25,8 @@ import torch
 __all__ = ["ModelShape", "BenchModel", "ensure_fp8_engine", "fp8_block", "model_for_size", "ensure_model"]
 
 FAMILY = "qwen3_moe"
+TP_KV_HEADS = 2
+"""Key/value heads of ``ModelShape.tp_variant`` (as ``synthetic.demo_files.TP_OVERRIDES``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,17 +47,25 @@ class ModelShape:
     """LoRA rank."""
     lora_alpha: float
     """LoRA alpha (scaling lora_alpha / r)."""
+    kv_heads: int = 1
+    """K: key/value heads (of head dim H/2; 1 or 2)."""
 
     def params_per_layer(self) -> int:
-        h, i, e = self.hidden, self.intermediate, self.num_experts
-        return e * 3 * i * h + 3 * h * h + e * h  # experts + q,o [H, H] + k,v [H/2, H] + router [E, H]
+        h, i, e, k = self.hidden, self.intermediate, self.num_experts, self.kv_heads
+        return e * 3 * i * h + 2 * h * h + k * h * h + e * h  # experts + q,o [H, H] + k,v [K·H/2, H] + router [E, H]
 
     def bf16_bytes(self) -> int:
         """Approximate base bytes in bf16 (layers + embeddings + lm_head; norms left out)."""
         return 2 * (self.num_layers * self.params_per_layer() + 2 * self.vocab_size * self.hidden)
 
     def key(self) -> str:
-        return f"h{self.hidden}-i{self.intermediate}-e{self.num_experts}-l{self.num_layers}-v{self.vocab_size}-r{self.r}"
+        kv = f"-kv{self.kv_heads}" if self.kv_heads != 1 else ""  # K = 1 keeps the key of the models cached before K
+        return f"h{self.hidden}-i{self.intermediate}-e{self.num_experts}-l{self.num_layers}-v{self.vocab_size}-r{self.r}{kv}"
+
+    def tp_variant(self) -> "ModelShape":
+        """The same shape with 2 key/value heads (``TP_KV_HEADS``), so attention splits over tp = 2 (the
+        ``live_fsdp2_tp`` row's base: ``entrypoints.demo_live.TrainerKind.tp_base``)."""
+        return replace(self, kv_heads=TP_KV_HEADS)
 
 
 # unit shape per mode: size x has x · layers_per_unit layers; the "full" unit holds >= 1 GB of bf16
@@ -109,8 +120,10 @@ def ensure_model(shape: ModelShape, cache_dir: Path) -> BenchModel:
 def _config(shape: ModelShape):
     from sync_service.synthetic import build_config
 
-    return build_config(FAMILY, num_layers=shape.num_layers, num_experts=shape.num_experts, hidden=shape.hidden,
-                        intermediate=shape.intermediate, vocab_size=shape.vocab_size)
+    config = build_config(FAMILY, num_layers=shape.num_layers, num_experts=shape.num_experts, hidden=shape.hidden,
+                          intermediate=shape.intermediate, vocab_size=shape.vocab_size)
+    config.num_key_value_heads = shape.kv_heads
+    return config
 
 
 @torch.no_grad()

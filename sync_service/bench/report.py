@@ -7,7 +7,7 @@ from pathlib import Path
 
 from sync_service.bench.goals import FLOOR_COLUMN, STAGE_COLUMN, GoalTable, goals, markdown, number, ratios
 from sync_service.bench.link_report import build_links
-from sync_service.bench.live import live_goal
+from sync_service.bench.live import live_goals
 from sync_service.bench.rows import LINK_ROW_KINDS, ROW_KINDS, BenchConfig, Row
 
 __all__ = ["GOALS", "build_report", "markdown_table", "write_plot"]
@@ -44,8 +44,7 @@ def build_report(rows: list[Row], cfg: BenchConfig, *, factor_bytes: dict[int, i
         "goal": "trainer peak extra <= 2 x bucket + factors, flat in model size",
         "value": ours_extra, "budget": budget,
         "met": all(ours_extra[k] <= budget[k] for k in ours_extra) if ours_extra else None}
-    all_goals["live_trainer_memory"] = live_goal(rows, cfg.bucket_bytes)
-    all_goals["live_hsdp_trainer_memory"] = live_goal(rows, cfg.bucket_bytes, "live_hsdp")
+    all_goals.update(live_goals(rows, cfg.bucket_bytes))
     floor_s = {r.size: r.median_s for r in rows if r.kind == "floor"}
     return {
         "command": "weightsync bench " + " ".join(machine.get("argv", [])),
@@ -53,7 +52,8 @@ def build_report(rows: list[Row], cfg: BenchConfig, *, factor_bytes: dict[int, i
         "config": {"sizes": sizes, "bucket_bytes": cfg.bucket_bytes, "repeats": cfg.repeats, "quick": cfg.quick,
                    "ep": cfg.ep, "fanout": cfg.fanout, "full_max_size": cfg.full_max_size, "fanout_max_size": cfg.fanout_max_size,
                    "gather_max_size": cfg.gather_max_size, "disk_max_size": cfg.disk_max_size,
-                   "live_max_size": cfg.live_max_size, "fp8_max_size": cfg.fp8_max_size, "vllm": cfg.vllm, "vllm_max_size": cfg.vllm_max_size,
+                   "live_max_size": cfg.live_max_size, "live_mesh_max_size": cfg.live_mesh_max_size,
+                   "fp8_max_size": cfg.fp8_max_size, "vllm": cfg.vllm, "vllm_max_size": cfg.vllm_max_size,
                    "links": list(cfg.links), "link_max_size": cfg.link_max_size, "link_transport": cfg.link_transport},
         "reference_size": ref,
         "ratios": at_ref,

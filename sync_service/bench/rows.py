@@ -22,6 +22,8 @@ ROW_KINDS = {
     "delta_fp8": "ours, delta sync into a block-FP8 engine (trainers merge in fp32, quantize per block), 2 shards -> 1 engine",
     "live_fsdp2": "ours, delta sync from a live FSDP2 training job (2 ranks, AdamW step between pushes) -> 1 engine",
     "live_hsdp": "ours, delta sync from a live HSDP training job (4 ranks, replicate 2 x shard 2, AdamW) -> 1 engine",
+    "live_fsdp2_tp": "ours, delta sync from a live FSDP2 x TP training job (4 ranks, shard 2 x tp 2, AdamW) -> 1 engine",
+    "live_fsdp2_ep": "ours, delta sync from a live FSDP2 x EP training job (4 ranks, dp 2 x ep 2, AdamW) -> 1 engine",
     "floor": "one cross-process copy of the same bytes through reused shared memory",
     "vllm_delta": "ours, delta sync, 2 trainer shards -> 1 vLLM engine in a Ray actor (--vllm)",
     "vllm_server_delta": "ours, delta sync, 2 trainer shards -> 1 stock vLLM server, weightsync backend (--vllm)",
@@ -32,6 +34,7 @@ ROW_KINDS = {
 LINK_ROW_KINDS = {
     "delta": "ours, merged delta sync, trainers' host -> 1 engine host",
     "factors": "ours, factor streaming (mode='factors') delta sync -> 1 engine host",
+    "delta_fp8": "ours, merged delta sync into a block-FP8 engine (trainers quantize per block) -> 1 engine host",
     "auto": "ours, mode='auto' delta sync -> 1 engine host",
     "delta_fanout2": "ours, merged delta sync -> 2 engines on 2 hosts sharing the trainers' uplink, relayed",
     "delta_fanout2_direct": "the same, relay='direct': each engine host pulls every bucket from the trainers'",
@@ -67,7 +70,11 @@ class BenchConfig:
     disk_max_size: int = 1
     """The disk row runs at sizes <= this (time: it reloads the PEFT model before every run)."""
     live_max_size: int = 2
-    """The live-trainer row runs at sizes <= this (each rank loads the whole base before sharding it)."""
+    """The live FSDP2 and HSDP rows run at sizes <= this (each rank loads the whole base before sharding it)."""
+    live_mesh_max_size: int = 1
+    """The live FSDP2 x TP and FSDP2 x EP rows run at sizes <= this (4 ranks, each loads the whole base; the TP row
+    generates its own base with 2 key/value heads). The smoke test gives 0: at ``--quick`` sizes the two rows take
+    ~70 s, mostly starting and training 8 ranks."""
     fp8_max_size: int = 1
     """The block-FP8 engine row runs at sizes <= this (its checkpoint is written once per size, ~1.5 bytes per
     parameter, and its engine holds FP8 values plus a bf16 copy)."""
@@ -130,6 +137,7 @@ class BenchConfig:
         """Whether row ``kind`` runs at ``size`` (the size plan)."""
         limit = {"full": self.full_max_size, "delta_fanout4": self.fanout_max_size, "gather": self.gather_max_size,
                  "disk": self.disk_max_size, "live_fsdp2": self.live_max_size, "live_hsdp": self.live_max_size,
+                 "live_fsdp2_tp": self.live_mesh_max_size, "live_fsdp2_ep": self.live_mesh_max_size,
                  "delta_fp8": self.fp8_max_size,
                  "vllm": self.vllm_max_size if self.vllm else 0}
         return size <= limit.get(kind, size)

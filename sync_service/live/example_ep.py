@@ -83,14 +83,15 @@ def _distribute(wrapper, adapter: str, ep_mesh) -> None:
 
 
 def _local_weight(wrapper, adapter: str, ep: int) -> torch.Tensor:
-    """This rank's experts' effective weight [E_local, out, in]: base + s·B[:, :, e] @ A[e] (PEFT's delta);
+    """This rank's experts' effective weight [E_local, out, in] in the base's dtype: base + s·B[:, :, e] @ A[e]
+    (PEFT's delta, cast to the base's dtype as ``ParamWrapper.get_delta_weight`` does);
     its gradient is scaled by 1/ep (the module docstring)."""
     base = getattr(wrapper.get_base_layer(), wrapper.parameter_name).to_local()
     a = wrapper.lora_A[adapter].weight.to_local()
     b = wrapper.lora_B[adapter].weight.to_local()
     e_local = base.shape[0]
     delta = torch.einsum("ore,eri->eoi", b.view(b.shape[0], -1, e_local), a.view(e_local, -1, a.shape[-1]))
-    weight = base + wrapper.scaling[adapter] * delta
+    weight = base + (delta * wrapper.scaling[adapter]).to(base.dtype)  # PEFT's order and cast (fp32 factors, bf16 base)
     if weight.requires_grad:
         weight.register_hook(lambda grad: grad / ep)
     return weight

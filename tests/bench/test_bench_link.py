@@ -51,6 +51,9 @@ def test_every_link_row_ran_and_was_counted_at_the_interfaces(report):
     assert floor["wire_bytes"] <= 1.5 * floor["bytes"] + (1 << 20), "the floor moves its bytes once"
     assert by["delta_fanout2"]["engines"] == 2 and all(b >= by["delta"]["bytes"] for b in by["delta_fanout2"]["wire_rx_bytes"])
     assert by["factors"]["bytes"] < by["delta"]["bytes"], "factor streaming moves fewer payload bytes than merged"
+    fp8 = by["delta_fp8"]  # FP8 values (1 byte) + float32 scales per 32x32 block where the bf16 delta sent 2 bytes
+    assert fp8["engines"] == 1 and 0.5 * by["delta"]["bytes"] < fp8["bytes"] < 0.6 * by["delta"]["bytes"]
+    assert fp8["wire_bytes"] < 0.7 * by["delta"]["wire_bytes"], "half the bytes cross the link"
     assert set(by["disk"]["stages"]) == {"merge_s", "pack_s", "transfer_s", "apply_s"}
 
 
