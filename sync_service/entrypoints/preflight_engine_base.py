@@ -2,8 +2,8 @@
 base's shapes, each in a floating dtype the trainers' merge can cast into (``coordinator.planning.engine_dtypes``),
 or a block-FP8 checkpoint for ``--engine hf`` (``quantization_config`` quant_method "fp8": a quantized tensor is
 float8_e4m3fn in the base's shape with ``*_scale_inv`` of the block grid beside it, float32 or, with scale_fmt
-"ue8m0", float8_e8m0fnu; no scale without its FP8 values). A block-FP8 ``--base`` is compared as the trainers read it (``merge.fp8_base``): its FP8
-tensors as float32, its scales not at all. Checked from the safetensors headers before Ray starts (no tensor is
+"ue8m0", float8_e8m0fnu; no scale without its FP8 values). A block-FP8 ``--base`` is compared as the trainers
+read it (``merge.fp8_base``): its FP8 tensors as float32, its scales not at all. Checked from the safetensors headers before Ray starts (no tensor is
 read); a bad one exits 2 in one line."""
 
 from __future__ import annotations
@@ -113,11 +113,12 @@ def _fp8_values(args: argparse.Namespace, engine_base: Path, quant: dict,
     from sync_service.fp8 import scale_name
 
     block = quant.get("weight_block_size")
-    if quant.get("quant_method") != "fp8" or quant.get("scale_fmt") not in (None, *_SCALE_DTYPES):
+    # scale_fmt absent means float; null is refused, as transformers' FineGrainedFP8Config refuses it
+    if quant.get("quant_method") != "fp8" or quant.get("scale_fmt", "float") not in _SCALE_DTYPES:
         fail(args, f"--engine-base {engine_base}: quantization_config {quant} is not served; engines serve block FP8 "
                    f"(quant_method fp8, weight_block_size, scale_fmt float or ue8m0), e.g. weightsync merge "
                    f"--quantize fp8")
-    scales = _SCALE_DTYPES[quant.get("scale_fmt") or "float"]
+    scales = _SCALE_DTYPES[quant.get("scale_fmt", "float")]
     if not (isinstance(block, list) and len(block) == 2
             and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
         fail(args, f"--engine-base {engine_base}: quantization_config weight_block_size {block!r} is not two positive "

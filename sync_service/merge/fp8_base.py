@@ -57,8 +57,8 @@ def open_base(checkpoint_dir: str | Path, *, as_loaded: bool = False) -> Safeten
     quant = read_json_object(path).get("quantization_config") if path.is_file() else None
     if not quant:
         return _unquantized(SafetensorsBase(checkpoint_dir, as_loaded=as_loaded), path)
-    if not isinstance(quant, dict) or quant.get("quant_method") != "fp8":
-        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+    if isinstance(quant, dict) and quant.get("quant_method") != "fp8":
+        method = quant.get("quant_method")
         raise MergeError(f"{path}: quantization_config quant_method {method!r}: a quantized base is read only as block "
                          f"FP8 (quant_method fp8 with weight_block_size); give its bf16/fp32 checkpoint instead")
     return Fp8Base(checkpoint_dir, as_loaded=as_loaded)
@@ -76,8 +76,11 @@ def _unquantized(base: SafetensorsBase, config_path: Path) -> SafetensorsBase:
 
 
 def _block_of(config_path: Path, quant: dict) -> tuple[tuple[int, int], str]:
-    """``(weight_block_size, scale_fmt)`` of a block-FP8 ``quantization_config``. Raises MergeError naming the file."""
-    block, fmt = quant.get("weight_block_size"), quant.get("scale_fmt") or "float"
+    """``(weight_block_size, scale_fmt)`` of a block-FP8 ``quantization_config``. Raises MergeError naming the file.
+    ``scale_fmt`` absent means "float" (``FineGrainedFP8Config``'s default); ``null`` is refused, as transformers does."""
+    if not isinstance(quant, dict):
+        raise MergeError(f"{config_path}: quantization_config is {quant!r}, not an object; {_FIX}")
+    block, fmt = quant.get("weight_block_size"), quant.get("scale_fmt", "float")
     if not isinstance(block, list) or len(block) != 2 or not all(type(n) is int and n > 0 for n in block):
         raise MergeError(f"{config_path}: quantization_config weight_block_size {block!r} is not two positive ints "
                          f"[rows, cols] (per-tensor FP8 is not read); {_FIX}")
@@ -118,7 +121,7 @@ class Fp8Base(SafetensorsBase):
     def __init__(self, checkpoint_dir: str | Path, layout: FamilyLayout | None = None, *, as_loaded: bool = False):
         config_path = Path(checkpoint_dir) / "config.json"
         config = read_json_object(config_path) if config_path.is_file() else {}
-        self.block, self.scale_fmt = _block_of(config_path, config.get("quantization_config") or {})
+        self.block, self.scale_fmt = _block_of(config_path, config.get("quantization_config", {}))
         self.dequantized_dtype = str(config.get("dtype") or config.get("torch_dtype") or "bfloat16")
         self._scale_disk: dict[str, tuple[str, str, tuple[int, ...]]] = {}
         super().__init__(checkpoint_dir, layout, as_loaded=as_loaded)

@@ -28,12 +28,25 @@ __all__ = ["fp8_block", "fp8_scale_dtype", "is_fp8_checkpoint", "read_fp8_checkp
 
 
 def is_fp8_checkpoint(model_dir: str | Path) -> bool:
-    """Whether ``model_dir``'s config.json has a ``quantization_config`` with ``quant_method`` "fp8"."""
+    """Whether ``model_dir``'s config.json has a ``quantization_config`` with ``quant_method`` "fp8".
+
+    Raises:
+        MergeError: a ``quantization_config`` of another method, or not an object: engines serve unquantized or
+            block-FP8 checkpoints only (and sync writes into nothing else).
+    """
     config = Path(model_dir) / "config.json"
     if not config.is_file():
         return False
     quant = json.loads(config.read_text()).get("quantization_config") or {}
-    return quant.get("quant_method") == "fp8"
+    if not quant:
+        return False
+    if not isinstance(quant, dict):
+        raise MergeError(f"{config}: quantization_config is {quant!r}, not an object; write the checkpoint with "
+                         f"weightsync merge --quantize fp8")
+    if quant.get("quant_method") != "fp8":
+        raise MergeError(f"{config}: quantization_config quant_method {quant.get('quant_method')!r} is not served; "
+                         f"engines serve unquantized or block-FP8 checkpoints (weightsync merge --quantize fp8)")
+    return True
 
 
 def fp8_block(config: dict) -> tuple[int, int]:
@@ -95,9 +108,13 @@ def read_fp8_checkpoint(model_dir: str | Path) -> tuple[dict[str, torch.Tensor],
     Memory: the whole checkpoint (copies).
 
     Raises:
-        MergeError: not a block-FP8 checkpoint, an unknown scale_fmt, or scales that do not fit their values.
+        MergeError: not a block-FP8 checkpoint, an unknown scale_fmt, scales that do not fit their values (what
+            ``merge.fp8_base.Fp8Base`` refuses: mis-shaped, another dtype than scale_fmt's, NaN/Inf, stray).
     """
+    from sync_service.merge.fp8_base import Fp8Base
+
     model_dir = Path(model_dir)
+    Fp8Base(model_dir)  # the checks an FP8 base gets: block, format, scales' grid, dtype, finiteness, stray scales
     base = SafetensorsBase(model_dir)
     block, dtype = fp8_block(base.config), fp8_scale_dtype(base.config)
     disk = _disk_scales(model_dir)

@@ -268,3 +268,27 @@ def test_config_and_tensors_that_disagree_are_refused(files, tmp_path):
     save_file(tensors, str(nan / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(MergeError, match=r"o_proj\.weight_scale_inv \(scales of .*o_proj\.weight\) holds NaN or Inf"):
         open_base(nan)
+
+
+def test_engines_load_an_fp8_checkpoint_only_if_it_reads_as_a_base(files, tmp_path):
+    """The engines' loader (``read_fp8_checkpoint``, HF and memory engines) makes the FP8 base's checks: before, it
+    served a stray scale, NaN scales and a block [8, 8] over 16x16 scales, and died in ZeroDivisionError /
+    AttributeError on a block [0, 16] or a quantization_config string; ``is_fp8_checkpoint`` refuses other methods."""
+    from sync_service.merge.fp8_checkpoint import is_fp8_checkpoint, read_fp8_checkpoint
+
+    for name, change, message in (
+        ("block0", lambda c: c["quantization_config"].update(weight_block_size=[0, 16]), r"\[0, 16\] is not two positive"),
+        ("block8", lambda c: c["quantization_config"].update(weight_block_size=[8, 8]),
+         r"weight_block_size \[8, 8\] needs F32 or F8_E8M0"),
+        ("null_fmt", lambda c: c["quantization_config"].update(scale_fmt=None), "scale_fmt None: use 'float' or 'ue8m0'"),
+    ):
+        with pytest.raises(MergeError, match=message):
+            read_fp8_checkpoint(_with_config(files["float"], tmp_path / name, change))
+    for name, quant, message in (("string", "fp8", "quantization_config is 'fp8', not an object"),
+                                 ("awq", {"quant_method": "awq"}, "quant_method 'awq' is not served")):
+        with pytest.raises(MergeError, match=message):
+            is_fp8_checkpoint(_with_config(files["float"], tmp_path / name, lambda c: c.update(quantization_config=quant)))
+    stray = _broken(files, tmp_path, lambda t: t.update({"lm_head.weight_scale_inv": torch.ones(4, 2)}))
+    with pytest.raises(MergeError, match=r"lm_head\.weight_scale_inv has no float8_e4m3fn values beside it"):
+        read_fp8_checkpoint(stray)
+    assert is_fp8_checkpoint(files["ue8m0"]) and read_fp8_checkpoint(files["ue8m0"])[1] == BLOCK
