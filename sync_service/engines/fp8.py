@@ -12,7 +12,8 @@ as transformers' ``FineGrainedFP8Config(dequantize=True)`` loads one (``quantize
 after each sync's last byte: ``finish_update`` dequantizes the staged values and scales (as vLLM's
 ``process_weights_after_loading`` runs after a load) into spare tensors, and ``commit`` swaps them in with the
 staged FP8 under the generation lock; the copies they replace become the next sync's spares (``keep_spare``), so a
-sync allocates compute copies only the first time.
+sync allocates compute copies only the first time; the float32 temporaries of the dequantization live in one
+cache-sized work buffer (``quantize.Dequantizer``) reused by every sync.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from protocols.params import ParamMeta
 from sync_service.dtypes import wire_dtype
 from sync_service.fp8 import scale_name
-from sync_service.merge.quantize import dequantize_blocks
+from sync_service.merge.quantize import Dequantizer
 
 __all__ = ["Fp8Served", "load_fp8_model"]
 
@@ -63,6 +64,7 @@ class Fp8Served:
                 raise ValueError(f"FP8 tensor {n} {list(self.tensors[n].shape)} is not a parameter of the model "
                                  f"of that shape; load model and FP8 tensors from one checkpoint")
         self._params = params
+        self._dequantize = Dequantizer()  # its float32 work buffer is reused by every sync
 
     def metas(self, name: str, param: torch.Tensor) -> list[ParamMeta]:
         """The table rows of parameter ``name``: FP8 values + scales, or the parameter as it is."""
@@ -83,8 +85,8 @@ class Fp8Served:
                 spare = self._spare.pop(n, None)
                 if spare is None or spare.shape != param.shape or spare.dtype != param.dtype or spare.device != param.device:
                     spare = None
-                out[n] = dequantize_blocks(staged.get(n, self.tensors[n]), staged.get(s, self.tensors[s]),
-                                           param.dtype, out=spare)
+                out[n] = self._dequantize(staged.get(n, self.tensors[n]), staged.get(s, self.tensors[s]),
+                                          param.dtype, out=spare)
         return out
 
     def keep_spare(self, name: str, tensor: torch.Tensor) -> None:

@@ -25,6 +25,7 @@ Leading dims (experts) may be cut anywhere.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -35,7 +36,7 @@ FP8_MIN = torch.finfo(FP8_DTYPE).min
 SCALE_FMTS = ("float", "ue8m0")
 """``FineGrainedFP8Config.scale_fmt`` values: float32 scales, or power-of-two ``float8_e8m0fnu`` scales."""
 
-__all__ = ["FP8_DTYPE", "SCALE_FMTS", "box_aligned", "dequantize_blocks", "divides", "quantize_blocks", "scale_dtype", "scale_name",
+__all__ = ["FP8_DTYPE", "SCALE_FMTS", "BlockQuantizer", "Dequantizer", "box_aligned", "dequantize_blocks", "divides", "quantize_blocks", "scale_dtype", "scale_name",
            "scale_shape"]
 
 
@@ -73,7 +74,8 @@ def quantize_blocks(values: torch.Tensor, block: tuple[int, int], scale_fmt: str
     """Block-quantize ``values`` ``[.., N, K]`` (float32 or float64; a float64 input is cast once to float32
     first, as transformers casts) into ``(q, s)``: ``q`` float8_e4m3fn of ``values``' shape, ``s`` the
     ``weight_scale_inv`` ``[.., N / bm, K / bn]`` in ``scale_dtype(scale_fmt)``. New tensors, on ``values``'
-    device; ``values`` is only read. Transient memory: a few float32 copies of ``values``.
+    device; ``values`` is only read. Transient memory: one float32 copy of ``values``
+    (``BlockQuantizer`` quantizes into caller-owned buffers without it).
 
     Raises:
         ValueError: ``values`` is not floating or under 2D, the last two dims are not multiples of ``block``
@@ -82,26 +84,80 @@ def quantize_blocks(values: torch.Tensor, block: tuple[int, int], scale_fmt: str
     if not values.is_floating_point() or not divides(values.shape, block):
         raise ValueError(f"quantize_blocks needs a floating [.., N, K] tensor with N % {block[0]} == 0 and "
                          f"K % {block[1]} == 0; got {values.dtype}{list(values.shape)}")
-    want_scale = scale_dtype(scale_fmt)
-    bm, bn = block
-    lead, rows, cols = values.shape[:-2], values.shape[-2], values.shape[-1]
-    blocks = values.to(torch.float32).reshape(*lead, rows // bm, bm, cols // bn, bn)
-    amax = blocks.abs().amax(dim=(-3, -1))
-    safe = torch.where(amax > 0, amax, torch.ones_like(amax))
-    scales = FP8_MAX / safe
-    scales = torch.where(amax > 0, scales, torch.ones_like(scales))
-    inv = (1.0 / scales).to(torch.float32)
-    if want_scale != torch.float32:  # ue8m0: the stored inverse is a power of two, the forward scale its reciprocal
-        inv = torch.pow(2.0, torch.ceil(torch.log2(inv.clamp(min=torch.finfo(torch.float32).tiny))))
-        inv = inv.to(want_scale)
-        scales = 1.0 / inv.to(torch.float32)
-    scaled = blocks * scales.unsqueeze(-1).unsqueeze(-3)
-    q = torch.clamp(scaled, min=FP8_MIN, max=FP8_MAX).to(FP8_DTYPE).reshape(values.shape)
-    return q, inv
+    quantizer = BlockQuantizer(block, scale_fmt)
+    x = values.to(torch.float32, copy=True)
+    q = torch.empty(values.shape, dtype=FP8_DTYPE, device=values.device)
+    s = torch.empty(scale_shape(values.shape, block), dtype=quantizer.scale_dtype, device=values.device)
+    quantizer(x, q, s)
+    return q, s
 
 
-DEQUANTIZE_CHUNK = 1 << 22
-"""Elements dequantized per step of ``dequantize_blocks`` (bounds its float32 temporaries to 32 MiB)."""
+class BlockQuantizer:
+    """``quantize_blocks`` in place: transformers' ``Fp8Quantize`` operations, each written into a buffer.
+
+    The per-block grids (amax, scales) live in one float32 buffer grown to the largest call's grid and reused;
+    the values are scaled and clamped in the caller's float32 tensor and cast once into the caller's FP8 view
+    (a bucket), so a steady-state call allocates nothing. Bitwise ``quantize_blocks`` / ``Fp8Quantize``: the
+    same elementwise operations in the same dtypes and order. ``a / t`` of a Python number is
+    ``t.reciprocal() * a`` in torch (``Tensor.__rdiv__``), so the scales are ``reciprocal`` then ``mul_``;
+    the block amax of ``|x|`` is ``max(amax(x), -amin(x))``, the same float (no arithmetic on values).
+
+    Args:
+        block: ``(bm, bn)``.
+        scale_fmt: ``"float"`` or ``"ue8m0"`` (``SCALE_FMTS``).
+
+    Raises:
+        ValueError: an unknown ``scale_fmt``.
+    """
+
+    def __init__(self, block: tuple[int, int], scale_fmt: str = "float"):
+        self.block = tuple(block)
+        self.scale_fmt = scale_fmt
+        self.scale_dtype = scale_dtype(scale_fmt)
+        self._grid = torch.empty(0, dtype=torch.float32)
+        self._pos = torch.empty(0, dtype=torch.bool)
+        self._one = torch.ones((), dtype=torch.float32)
+
+    def _grids(self, shape: tuple[int, ...], device: torch.device) -> list[torch.Tensor]:
+        """Views of ``shape`` into the reused grids: float32 amax, scales, inverse scales; bool amax > 0."""
+        n = math.prod(shape)
+        if self._grid.numel() < 3 * n or self._grid.device != device:
+            self._grid = torch.empty(3 * n, dtype=torch.float32, device=device)
+            self._pos = torch.empty(n, dtype=torch.bool, device=device)
+            self._one = self._one.to(device)
+        return [*(self._grid[i * n:(i + 1) * n].view(shape) for i in range(3)), self._pos[:n].view(shape)]
+
+    def __call__(self, x: torch.Tensor, q_out: torch.Tensor | None, s_out: torch.Tensor) -> None:
+        """Quantize ``x`` (float32 ``[.., N, K]``, contiguous, N and K multiples of the block) into ``q_out``
+        (float8_e4m3fn, ``x``'s shape, any strides; ``None``: scales only) and ``s_out`` (``scale_dtype``,
+        ``[.., N / bm, K / bn]``, any strides). ``x`` is overwritten (scaled and clamped); all three on one
+        device."""
+        bm, bn = self.block
+        lead, rows, cols = x.shape[:-2], x.shape[-2], x.shape[-1]
+        blocks = x.view(*lead, rows // bm, bm, cols // bn, bn)
+        amax, scales, inv, pos = self._grids((*lead, rows // bm, cols // bn), x.device)
+        torch.amax(blocks, dim=(-3, -1), out=amax)
+        torch.amin(blocks, dim=(-3, -1), out=scales)
+        torch.maximum(amax, scales.neg_(), out=amax)  # = |x|.amax over the block
+        torch.gt(amax, 0, out=pos)
+        torch.where(pos, amax, self._one, out=amax)  # safe amax
+        torch.reciprocal(amax, out=scales).mul_(FP8_MAX)  # FP8_MAX / safe
+        torch.where(pos, scales, self._one, out=scales)
+        torch.reciprocal(scales, out=inv)  # (1.0 / scales), float32 already
+        if self.scale_dtype != torch.float32:  # ue8m0: the stored inverse a power of two, the scale its reciprocal
+            inv.clamp_(min=torch.finfo(torch.float32).tiny)
+            torch.pow(2.0, torch.log2(inv, out=inv).ceil_(), out=inv)
+            s_out.copy_(inv)
+            torch.reciprocal(inv.copy_(s_out), out=scales)
+        else:
+            s_out.copy_(inv)
+        blocks.mul_(scales.unsqueeze(-1).unsqueeze(-3)).clamp_(min=FP8_MIN, max=FP8_MAX)
+        if q_out is not None:
+            q_out.copy_(x)
+
+
+DEQUANTIZE_CHUNK = 1 << 19
+"""Elements dequantized per step of ``dequantize_blocks`` (its float32 work buffer: 2 MiB, cache-sized)."""
 
 
 def dequantize_blocks(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
@@ -109,16 +165,40 @@ def dequantize_blocks(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
     """``q`` (float8_e4m3fn ``[.., N, K]``) × its block ``scales`` (``[.., N/bm, K/bn]``) in ``dtype``: the
     operations of transformers' ``Fp8Dequantize._dequantize_one`` in order (both to float32, one product per
     element, one cast), so bitwise what ``FineGrainedFP8Config(dequantize=True)`` loads. Written into ``out``
-    (contiguous, ``q``'s shape, ``dtype``; reused across syncs) or a new tensor, one block row of
-    ``DEQUANTIZE_CHUNK`` elements' worth at a time (the float32 temporaries never hold the whole tensor)."""
-    rows, cols = q.shape[-2:]
-    scale_rows, scale_cols = scales.shape[-2:]
-    if out is None:
-        out = torch.empty(q.shape, dtype=dtype, device=q.device)
-    qv = q.reshape(-1, rows // scale_rows, scale_cols, cols // scale_cols)  # one block row per index
-    sv = scales.reshape(-1, 1, scale_cols, 1)
-    ov = out.view(qv.shape)
-    step = max(1, DEQUANTIZE_CHUNK // (qv[0].numel() or 1))
-    for i in range(0, qv.shape[0], step):
-        ov[i:i + step] = (qv[i:i + step].to(torch.float32) * sv[i:i + step].to(torch.float32)).to(dtype)
-    return out
+    (contiguous, ``q``'s shape, ``dtype``; reused across syncs) or a new tensor; ``Dequantizer`` with a work
+    buffer of its own. Returns ``out``."""
+    return Dequantizer()(q, scales, dtype, out)
+
+
+class Dequantizer:
+    """``dequantize_blocks`` over one reused float32 work buffer (grown to the largest step; a long-lived engine
+    keeps one, so a sync allocates nothing): a group of block rows of at most ``DEQUANTIZE_CHUNK`` elements (at
+    least one block row) at a time is cast into the buffer, scaled in place and cast into ``out`` (a float32
+    ``out`` is its own buffer)."""
+
+    def __init__(self):
+        self._work = torch.empty(0, dtype=torch.float32)
+
+    def __call__(self, q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """As ``dequantize_blocks``."""
+        rows, cols = q.shape[-2:]
+        scale_rows, scale_cols = scales.shape[-2:]
+        if out is None:
+            out = torch.empty(q.shape, dtype=dtype, device=q.device)
+        qv = q.reshape(-1, rows // scale_rows, scale_cols, cols // scale_cols)  # one block row per index
+        sv = scales.reshape(-1, 1, scale_cols, 1)
+        ov = out.view(qv.shape)
+        step = max(1, DEQUANTIZE_CHUNK // (qv[0].numel() or 1))
+        for i in range(0, qv.shape[0], step):
+            o = ov[i:i + step]
+            w = o if dtype == torch.float32 else self._buffer(o.numel(), q.device).view(o.shape)
+            w.copy_(qv[i:i + step]).mul_(sv[i:i + step].to(torch.float32))
+            if w is not o:
+                o.copy_(w)
+        return out
+
+    def _buffer(self, n: int, device: torch.device) -> torch.Tensor:
+        if self._work.numel() < n or self._work.device != device:
+            self._work = torch.empty(n, dtype=torch.float32, device=device)
+        return self._work[:n]

@@ -136,7 +136,8 @@ class MergedSource:
         blocks = dict(config.fp8_blocks or {})
         if blocks:  # block FP8: each values box is followed by its scales box, as the plan lists them
             owned = [x for m in owned for x in ([m, scale_meta(m, blocks[m.name])] if m.name in blocks else [m])]
-        self._fp8 = Fp8Fill(blocks, self._merge_box, self._accumulate_of, self._scale_fmt)
+        self._fp8 = Fp8Fill(blocks, self._merge_box, self._accumulate_of, self._scale_fmt,
+                            tile_bytes=min(config.tile_bytes, config.staging_bytes))
         if config.out_dtypes:  # the plan's dtypes (the engines'), cast once from the accumulator or the base
             owned = [replace(m, dtype=config.out_dtypes.get(m.name, m.dtype)) for m in owned]
         self._owned = list(owned)
@@ -196,7 +197,7 @@ class MergedSource:
 
     def _merge_box(self, name: str, box: Box, dtype: torch.dtype) -> torch.Tensor:
         """The merged values of ``box`` of ``name`` in ``dtype`` (the accumulation dtype of a block-FP8 tensor), in a
-        scratch reused by the next call."""
+        scratch reused by the next call (the caller may overwrite it; ``Fp8Fill`` asks for cache-sized bands)."""
         nbytes = box_numel(box) * dtype.itemsize
         if self._fp8_scratch.numel() < nbytes:
             self._fp8_scratch = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -240,10 +241,13 @@ class MergedSource:
                 if view.is_floating_point():
                     self._check(name, view)
                 continue
-            scratch = self._scratch.view(box_shape(sub), base.device, self._accumulate(base.dtype))
+            acc = self._accumulate(base.dtype)
+            direct = view.dtype == acc and view.device == base.device and view.is_contiguous()
+            scratch = view if direct else self._scratch.view(box_shape(sub), base.device, acc)  # direct: no copy out
             scratch.copy_(base)
             apply_parts(scratch, parts)
-            view.copy_(scratch)
+            if not direct:
+                view.copy_(scratch)
             self._check(name, view, scratch)
 
     def _fill_dora(self, name: str, box: Box, out: torch.Tensor) -> None:
