@@ -9,11 +9,11 @@ engine host 0, then
      ``cfg.link_transport`` bound to the driver's address;
   2. ``factors``, ``auto``: the same with ``mode="factors"`` / ``"auto"`` (a fresh ``WeightSync`` each:
      its first full sync carries the pristine base) — ``LINK_MODES``;
-     ``delta_fp8``: merged delta syncs into a second engine on engine host 0, loaded from the block-FP8
-     checkpoint of the model (``model.ensure_fp8_engine``, written before the engines start): the trainers
-     quantize each merged box into the bucket, so about half the delta's bytes cross the link;
   3. ``delta_fanout2``: a second engine on engine host 1, merged delta syncs to both (``relay="auto"``:
      engine 0 relays every bucket to engine 1); ``delta_fanout2_direct``: the same with ``relay="direct"``;
+     ``delta_fp8``: the bf16 engines stopped, merged delta syncs into an engine on engine host 0 loaded from
+     the block-FP8 checkpoint of the model (``model.ensure_fp8_engine``, written before the actors start): the
+     trainers quantize each merged box into the bucket, so about half the delta's bytes cross the link;
   4. ``floor``: the delta's payload bytes over a plain TCP socket, trainers' host -> engine host 0;
   5. ``gather`` and ``disk`` (``bench.baselines``), the disk checkpoint copied over TCP (``bench.sock``).
 
@@ -96,15 +96,10 @@ def _ours(model: BenchModel, cfg: BenchConfig, size: int, site: LinkSite, rows: 
     engines = launcher.start_engines(model.base_dir, 1, timeout_s=cfg.timeout_s, actor_options=placement.engines(1))
     runs = PushRuns(trainers, cfg, size, model.shape.bf16_bytes(), meter=site.meter(),
                     sync_kw={"transport": cfg.link_transport, "bind_host": site.trainer.address})
-    fp8: list = []
     try:
         for kind, mode in LINK_MODES.items():
             say(f"  {size}x {kind} (1 engine host)")
             rows.extend(runs.rows({kind: {"mode": mode}}, engines))
-        say(f"  {size}x delta into a block-FP8 engine (1 engine host)")
-        fp8 = launcher.start_engines(fp8_dir, 1, timeout_s=cfg.timeout_s, prefix="fp8", actor_options=placement.engines(1))
-        rows.extend(runs.rows({"delta_fp8": True}, fp8))
-        ray.kill(fp8.pop())  # its memory back before the fan-out row's second engine
         if len(site.engine_options) > 1:
             say(f"  {size}x delta (2 engines on 2 hosts)")
             engines += launcher.start_engines(model.base_dir, 1, timeout_s=cfg.timeout_s, prefix="fanout",
@@ -112,8 +107,14 @@ def _ours(model: BenchModel, cfg: BenchConfig, size: int, site: LinkSite, rows: 
             rows.extend(runs.rows({"delta_fanout2": True}, engines))
             say(f"  {size}x delta (2 engines on 2 hosts, each from the trainers)")
             rows.extend(runs.rows({"delta_fanout2_direct": {"relay": "direct"}}, engines))
+        while engines:  # their memory back first: beside them the FP8 engine's push was killed by Ray at 1x
+            ray.kill(engines.pop())
+        say(f"  {size}x delta into a block-FP8 engine (1 engine host)")
+        engines += launcher.start_engines(fp8_dir, 1, timeout_s=cfg.timeout_s, prefix="fp8",
+                                          actor_options=placement.engines(1))
+        rows.extend(runs.rows({"delta_fp8": True}, engines))
     finally:
-        for actor in [*trainers, *engines, *fp8]:
+        for actor in [*trainers, *engines]:
             ray.kill(actor)
 
 
