@@ -171,13 +171,16 @@ def dequantize_blocks(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
 
 
 class Dequantizer:
-    """``dequantize_blocks`` over one reused float32 work buffer (grown to the largest step; a long-lived engine
-    keeps one, so a sync allocates nothing): a group of block rows of at most ``DEQUANTIZE_CHUNK`` elements (at
-    least one block row) at a time is cast into the buffer, scaled in place and cast into ``out`` (a float32
-    ``out`` is its own buffer)."""
+    """``dequantize_blocks`` over reused buffers (grown to the largest step; a long-lived engine keeps one, so a
+    sync allocates nothing): a group of block rows of at most ``DEQUANTIZE_CHUNK`` elements (at least one block
+    row) at a time is converted to float32 into a work buffer, scaled in place and cast into ``out`` (a float32
+    ``out`` is its own work buffer). The FP8 → float32 conversion is a lookup in a 256-entry table built by that
+    very cast of every byte (``index_select``: bitwise the cast, ~3x faster than torch's CPU cast)."""
 
     def __init__(self):
         self._work = torch.empty(0, dtype=torch.float32)
+        self._index = torch.empty(0, dtype=torch.int32)
+        self._table = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8_DTYPE).to(torch.float32)
 
     def __call__(self, q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
                  out: torch.Tensor | None = None) -> torch.Tensor:
@@ -192,13 +195,22 @@ class Dequantizer:
         step = max(1, DEQUANTIZE_CHUNK // (qv[0].numel() or 1))
         for i in range(0, qv.shape[0], step):
             o = ov[i:i + step]
-            w = o if dtype == torch.float32 else self._buffer(o.numel(), q.device).view(o.shape)
-            w.copy_(qv[i:i + step]).mul_(sv[i:i + step].to(torch.float32))
+            w = o if dtype == torch.float32 else self._buffers(o.numel(), q.device)[0].view(o.shape)
+            self._to_float32(qv[i:i + step], w).mul_(sv[i:i + step].to(torch.float32))
             if w is not o:
                 o.copy_(w)
         return out
 
-    def _buffer(self, n: int, device: torch.device) -> torch.Tensor:
+    def _to_float32(self, q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``w.copy_(q)`` (FP8 → float32) by table lookup; ``w`` contiguous."""
+        index = self._buffers(q.numel(), q.device)[1]
+        index.copy_(q.reshape(-1).view(torch.uint8))
+        torch.index_select(self._table, 0, index, out=w.view(-1))
+        return w
+
+    def _buffers(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._work.numel() < n or self._work.device != device:
             self._work = torch.empty(n, dtype=torch.float32, device=device)
-        return self._work[:n]
+            self._index = torch.empty(n, dtype=torch.int32, device=device)
+            self._table = self._table.to(device)
+        return self._work[:n], self._index[:n]

@@ -78,3 +78,20 @@ def test_owned_boxes_of_an_expert_shard():
     want = transformers_quantize(name, values, BLOCK)
     assert torch.equal(_bytes(_fill(source, name, box)), _bytes(want[name][2:4]))
     assert torch.equal(_fill(source, scale_name(name), ((2, 4), (0, 4), (0, 3))), want[scale_name(name)][2:4])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_engines_dequantizer_is_transformers_dequantize_on_every_fp8_byte(dtype):
+    """Every FP8 byte (NaN, -0, subnormals, ±448) in blocks of float32 and e8m0 scales, through one reused
+    ``Dequantizer`` (its table lookup and work buffers), bitwise transformers' ``Fp8Dequantize``."""
+    from sync_service.merge.quantize import Dequantizer
+    from sync_service.verify.fp8_oracle import transformers_dequantize
+
+    q = torch.arange(256 * 4, dtype=torch.int32).remainder(256).to(torch.uint8).view(torch.float8_e4m3fn).view(2, 32, 16)
+    dequantize = Dequantizer()
+    for scales in (torch.tensor([[[0.5], [3.0e-3]], [[7.0], [1e-40]]]), torch.tensor([[[0.25], [2.0]], [[8.0], [1.0]]]).to(torch.float8_e8m0fnu)):
+        out = torch.empty(q.shape, dtype=dtype)
+        for _ in range(2):  # the second call reuses the buffers
+            got = dequantize(q, scales, dtype, out=out)
+            want = transformers_dequantize(q, scales, dtype)
+            assert got is out and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
