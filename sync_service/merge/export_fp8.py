@@ -38,7 +38,7 @@ QUANTIZE_METHODS = ("fp8",)
 """``--quantize`` values written; ``mxfp4`` is refused (``check_quantize``)."""
 
 BAND_BYTES = 8 << 20
-"""float32 values quantized per step, bytes (``quantize_blocks`` holds a few copies of them)."""
+"""float32 values quantized per step, bytes (``quantize_blocks`` holds one copy of them beside its block grids)."""
 
 Output = tuple[str, torch.dtype, tuple[int, ...]]
 
