@@ -146,18 +146,22 @@ class SafetensorsBase:
         self.tied_aliases = self._tied(disk)
         self._by_expert = {name: _index_by_expert(plan) for name, plan in self._plans.items() if len(plan) > 1}
 
-    def _disk_index(self) -> dict[str, tuple[str, str, tuple[int, ...]]]:
-        """disk key → (file, wire dtype, shape)."""
+    def _disk_entries(self) -> dict[str, tuple[str, str, tuple[int, ...]]]:
+        """disk key → (file, safetensors dtype tag, shape), from the headers only."""
         files = sorted(self.dir.glob("*.safetensors"))
         if not files:
             raise MergeError(f"{self.dir}: no *.safetensors files; convert the checkpoint with save_pretrained")
-        index = {}
+        entries = {}
         for path in files:
             with read_safetensors(path, lambda p: safe_open(p, framework="pt")) as f:
                 for key in f.keys():
                     sl = f.get_slice(key)
-                    index[key] = (str(path), SAFETENSORS_DTYPES[sl.get_dtype()], tuple(sl.get_shape()))
-        return index
+                    entries[key] = (str(path), sl.get_dtype(), tuple(sl.get_shape()))
+        return entries
+
+    def _disk_index(self) -> dict[str, tuple[str, str, tuple[int, ...]]]:
+        """disk key → (file, wire dtype, shape)."""
+        return {key: (file, SAFETENSORS_DTYPES[tag], shape) for key, (file, tag, shape) in self._disk_entries().items()}
 
     def _assemble(self, disk: dict[str, tuple[str, str, tuple[int, ...]]]) -> list[ParamMeta]:
         lay = self.layout

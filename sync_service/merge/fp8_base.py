@@ -36,7 +36,7 @@ from sync_service.fp8 import FP8_WIRE, box_aligned, scale_name
 from sync_service.merge.base import SafetensorsBase
 from sync_service.merge.errors import MergeError
 from sync_service.merge.finite import all_finite
-from sync_service.merge.inputs import read_json_object, read_safetensors
+from sync_service.merge.inputs import read_json_object
 from sync_service.merge.layouts import FamilyLayout
 
 __all__ = ["Fp8Base", "dequantize_box", "open_base"]
@@ -133,21 +133,12 @@ class Fp8Base(SafetensorsBase):
         self._metas = [replace(m, dtype="float32") if m.name in self._scales else m for m in self._metas]
 
     def _disk_index(self) -> dict[str, tuple[str, str, tuple[int, ...]]]:
-        """disk key → (file, wire dtype, shape) of every tensor but the scales, which go to ``_scale_disk``."""
-        files = sorted(self.dir.glob("*.safetensors"))
-        if not files:
-            raise MergeError(f"{self.dir}: no *.safetensors files; convert the checkpoint with save_pretrained")
-        index = {}
-        for path in files:
-            with read_safetensors(path, lambda p: safe_open(p, framework="pt")) as f:
-                for key in f.keys():
-                    sl = f.get_slice(key)
-                    entry = (str(path), sl.get_dtype(), tuple(sl.get_shape()))
-                    if key.endswith("_scale_inv"):
-                        self._scale_disk[key] = entry
-                    else:
-                        index[key] = (entry[0], SAFETENSORS_DTYPES.get(entry[1], entry[1]), entry[2])
-        return index
+        """disk key → (file, wire dtype, shape) of every tensor but the scales, which go to ``_scale_disk`` with
+        their safetensors dtype tag."""
+        entries = self._disk_entries()
+        self._scale_disk = {key: entry for key, entry in entries.items() if key.endswith("_scale_inv")}
+        return {key: (file, SAFETENSORS_DTYPES.get(tag, tag), shape) for key, (file, tag, shape) in entries.items()
+                if key not in self._scale_disk}
 
     def _fused_scales(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """The float32 scale grid of FP8 tensor ``name`` in hf-fused naming, from the disk scales of its pieces."""

@@ -63,3 +63,32 @@ def differing(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[st
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).contiguous().view(torch.uint8)
+
+
+def run_both(model, *, versions: int = 3, experts_per_recipe: int = 1, engine: dict | None = None, **config):
+    """Push ``versions`` versions (trained between them by ``train_step``) once merged and once as factors,
+    through ``LocalSync`` runs into copies of ``engine`` (default: the model's base) with ``LocalSyncConfig(**config)``
+    (``bucket_bytes`` 8 KiB unless given); asserts both engines hold the same bytes after every version.
+
+    Returns ``(runs by mode, [(push stats by mode, merged engine state)] per version, last trained state)``; the
+    runs are closed.
+    """
+    from sync_service.factor_stream.choose import FactorPolicy
+    from sync_service.factor_stream.local import LocalSync, LocalSyncConfig
+
+    config.setdefault("bucket_bytes", 8 << 10)
+    runs = {mode: LocalSync(model.tensors, model.layout, model.peft_config, engine=engine, config=LocalSyncConfig(
+        **config, policy=FactorPolicy(mode=mode, experts_per_recipe=experts_per_recipe))) for mode in ("merged", "factors")}
+    state, log = dict(model.state), []
+    try:
+        for v in range(versions):
+            if v:
+                state = train_step(state, v)
+            stats = {mode: run.push(v, state) for mode, run in runs.items()}
+            merged, factors = runs["merged"].engine_state(), runs["factors"].engine_state()
+            assert not differing(merged, factors), f"version {v}: factor engine differs in {differing(merged, factors)[:4]}"
+            log.append((stats, merged))
+        return runs, log, state
+    finally:
+        for run in runs.values():
+            run.close()

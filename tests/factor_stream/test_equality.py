@@ -12,14 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sync_service.factor_stream.choose import FactorPolicy
-from sync_service.factor_stream.local import LocalSync, LocalSyncConfig
 from sync_service.entrypoints.local import AdapterReplay
 from sync_service.merge.adapter import adapter_from_state_dict
 from sync_service.merge.base import TensorDictBase
 from sync_service.verify.peft_oracle import compare_state
 from sync_service.merge.source import MergeConfig, MergedSource
-from tests.factor_stream.conftest import differing, train_step
+from tests.factor_stream.conftest import differing, run_both
 from tests.oracle import materialize
 
 
@@ -27,25 +25,6 @@ def reference(model, state) -> dict[str, torch.Tensor]:
     base = TensorDictBase(model.tensors)
     adapter = adapter_from_state_dict(model.peft_config, state, model.layout, base.metas())
     return materialize(MergedSource(base, adapter, config=MergeConfig()))
-
-
-def run_both(model, *, ep=1, tp=1, versions=3, experts_per_recipe=1, bucket_bytes=8 << 10):
-    runs = {mode: LocalSync(model.tensors, model.layout, model.peft_config, config=LocalSyncConfig(
-        ep=ep, tp=tp, bucket_bytes=bucket_bytes, policy=FactorPolicy(mode=mode, experts_per_recipe=experts_per_recipe)))
-        for mode in ("merged", "factors")}
-    state, log = dict(model.state), []
-    try:
-        for v in range(versions):
-            if v:
-                state = train_step(state, v)
-            stats = {mode: run.push(v, state) for mode, run in runs.items()}
-            merged, factors = runs["merged"].engine_state(), runs["factors"].engine_state()
-            assert not differing(merged, factors), f"version {v}: factor engine differs in {differing(merged, factors)[:4]}"
-            log.append((stats, merged))
-        return runs, log, state
-    finally:
-        for run in runs.values():
-            run.close()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

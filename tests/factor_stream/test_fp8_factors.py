@@ -15,8 +15,6 @@ import torch
 
 from protocols.params import ParamMeta
 from sync_service.entrypoints.local import AdapterReplay
-from sync_service.factor_stream.choose import FactorPolicy
-from sync_service.factor_stream.local import LocalSync, LocalSyncConfig
 from sync_service.factor_stream.choose import TargetCost
 from sync_service.factor_stream.plan import build_factor_plan, engine_merged_bytes
 from sync_service.factor_stream.recipes import recipes_for_target
@@ -28,30 +26,10 @@ from sync_service.merge.terms import LoraTerm
 from sync_service.streaming.plan import split_box
 from sync_service.verify.fp8_oracle import quantized_state
 from sync_service.verify.peft_oracle import model_state, peft_merged_model
-from tests.factor_stream.conftest import differing, train_step
+from tests.factor_stream.conftest import differing, run_both
 
 BLOCK = (8, 8)
 FP8 = torch.float8_e4m3fn
-
-
-def run_both(model, engine: dict, *, accumulate: str, ep: int, versions: int):
-    """Merged and factor ``LocalSync`` runs into copies of ``engine``; asserts they serve the same bytes every
-    version and returns (factor run, last state, last push stats per mode)."""
-    runs = {mode: LocalSync(model.tensors, model.layout, model.peft_config, engine=engine, config=LocalSyncConfig(
-        ep=ep, bucket_bytes=1 << 10, accumulate_dtype=accumulate, policy=FactorPolicy(mode=mode, experts_per_recipe=1)))
-        for mode in ("merged", "factors")}
-    state = dict(model.state)
-    try:
-        for v in range(versions):
-            if v:
-                state = train_step(state, v)
-            stats = {mode: run.push(v, state) for mode, run in runs.items()}
-            merged, factors = runs["merged"].engine_state(), runs["factors"].engine_state()
-            assert not differing(merged, factors), f"version {v}: factor engine differs in {differing(merged, factors)[:4]}"
-        return runs["factors"], merged, state, stats
-    finally:
-        for run in runs.values():
-            run.close()
 
 
 @pytest.mark.parametrize("scale_fmt, accumulate", [("float", "float64"), ("ue8m0", "float64"), ("float", "float32")])
@@ -60,7 +38,8 @@ def test_factor_mode_into_an_fp8_engine_serves_merged_modes_bytes(model_factory,
     merge_checkpoint(model.base_dir, model.adapter_dir, tmp_path / "fp8", quantize="fp8", progress=False,
                      fp8=Fp8Options(weight_block_size=BLOCK, scale_fmt=scale_fmt))
     engine = read_fp8_checkpoint(tmp_path / "fp8")[0]
-    run, served, state, stats = run_both(model, engine, accumulate=accumulate, ep=2, versions=3)
+    runs, log, state = run_both(model, engine=engine, accumulate_dtype=accumulate, ep=2, bucket_bytes=1 << 10)
+    run, (stats, served) = runs["factors"], log[-1]
     fp8_targets = {n for n in run.choice.factors if engine[n].dtype == FP8}
     assert len(fp8_targets) >= 4, (sorted(run.choice.factors), sorted(n for n, t in engine.items() if t.dtype == FP8))
     assert all(served[n].dtype == FP8 for n in fp8_targets)
