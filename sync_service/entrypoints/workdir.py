@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 
-__all__ = ["RUN_PREFIX", "run_dir", "run_root", "sweep_stale"]
+__all__ = ["RUN_PREFIX", "ray_temp", "run_dir", "run_root", "sweep_stale"]
 
 RUN_PREFIX = "wsrun-"
 """Name prefix of every per-run directory in the system temp directory."""
@@ -94,10 +94,25 @@ def run_root(root: str | Path | None = None) -> Path:
     return _owner_dir(root)
 
 
+SOCKET_PATH_MAX = 107
+"""AF_UNIX's longest socket path, bytes."""
+RAY_SOCKET_TAIL = len("/session_2026-12-05_03-30-47_554491_4194304/sockets/plasma_store")
+"""Longest path Ray puts under its ``_temp_dir`` for a socket (a 7-digit pid), bytes."""
+
+
 def ray_temp(run: Path) -> Path:
     """Ray's ``_temp_dir`` inside the per-run directory ``run``: a one-letter name, since Ray's plasma
-    socket ``<it>/session_<date>_<pid>/sockets/plasma_store`` must fit AF_UNIX's 107 bytes."""
-    return run / "r"
+    socket ``<it>/session_<date>_<pid>/sockets/plasma_store`` must fit AF_UNIX's 107 bytes.
+
+    Raises:
+        ValueError: the system temp directory (``TMPDIR``) is too long for that socket path, naming it and the fix.
+    """
+    path = run / "r"
+    if len(os.fsencode(path)) + RAY_SOCKET_TAIL > SOCKET_PATH_MAX:
+        room = SOCKET_PATH_MAX - RAY_SOCKET_TAIL - (len(os.fsencode(path)) - len(os.fsencode(tempfile.gettempdir())))
+        raise ValueError(f"TMPDIR {tempfile.gettempdir()} is too long for Ray's socket paths (AF_UNIX allows "
+                         f"{SOCKET_PATH_MAX} bytes); set TMPDIR to a directory of at most {max(room, 1)} bytes, e.g. /tmp")
+    return path
 
 
 def run_dir(prefix: str, root: str | Path | None = None) -> Path:

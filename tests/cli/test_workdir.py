@@ -66,3 +66,15 @@ def test_commands_make_temp_dirs_only_through_workdir():
              if "mkdtemp(" in p.read_text() and p.name != "workdir.py"]
     assert [str(p.relative_to(root)) for p in users] == ["bench/run.py"]  # its disk row's dir under --cache-dir
     assert "mkdtemp(prefix=\"wsb\")" not in users[0].read_text()
+
+
+def test_a_temp_dir_too_long_for_rays_sockets_is_refused_naming_tmpdir(tmp_path, monkeypatch):
+    import tempfile
+
+    import pytest
+
+    short = workdir.ray_temp(Path("/tmp/wsrun-69n-mx9uuqby/sync480hnc2k"))  # the default's length fits
+    assert short.name == "r"
+    monkeypatch.setattr(tempfile, "tempdir", "/tmp/" + "x" * 9)
+    with pytest.raises(ValueError, match=r"TMPDIR /tmp/x{9} is too long .* at most \d+ bytes, e\.g\. /tmp"):
+        workdir.ray_temp(Path("/tmp/" + "x" * 9) / "wsrun-69n-mx9uuqby" / "sync480hnc2k")
