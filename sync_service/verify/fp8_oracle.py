@@ -25,7 +25,7 @@ import torch
 
 from protocols.params import ParamMeta
 from sync_service.fp8 import SCALE_WIRES, scale_name, table_blocks, table_scale_dtypes
-from sync_service.verify.peft_oracle import engine_dtype
+from sync_service.verify.peft_oracle import cast_, engine_dtype
 
 __all__ = ["compute_dtype", "dequantized_", "quantized_state", "transformers_dequantize", "transformers_quantize"]
 
@@ -84,8 +84,9 @@ def quantized_state(merged: Mapping[str, torch.Tensor], table: Sequence[ParamMet
 def dequantized_(model: torch.nn.Module, oracle: Mapping[str, torch.Tensor], table: Sequence[ParamMeta],
                  dtype: torch.dtype) -> torch.nn.Module:
     """``model`` (PEFT's float64 merge) cast to ``dtype`` with every FP8 parameter of ``table`` replaced by
-    ``transformers_dequantize`` of ``oracle``'s values and scales, in place; returns it (eval mode)."""
-    model.to(dtype)
+    ``transformers_dequantize`` of ``oracle``'s values and scales, in place (``peft_oracle.cast_``: the rotary
+    ``inv_freq`` stays float32, as the engine's); returns it (eval mode)."""
+    cast_(model, dtype)
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name in table_blocks(table):

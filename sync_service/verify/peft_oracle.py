@@ -27,7 +27,7 @@ from protocols.params import FLOAT_DTYPES
 from sync_service.engines.hf import load_causal_lm
 from sync_service.merge.export import COPIED_FILES
 
-__all__ = ["StateCheck", "checkpoint_state", "compare_state", "engine_dtype", "model_state", "peft_merged_model",
+__all__ = ["StateCheck", "cast_", "checkpoint_state", "compare_state", "engine_dtype", "model_state", "peft_merged_model",
            "peft_merged_state", "plain_float64", "save_peft_merged", "values_match"]
 
 
@@ -49,7 +49,8 @@ def peft_merged_model(base_dir: str | Path, adapter_dir: str | Path | None, *,
     ``adapter_dir=None``: the base itself (loaded in float64 and cast back: its exact values). A block-FP8 base
     is loaded with ``FineGrainedFP8Config(dequantize=True)`` (transformers' ``Fp8Dequantize``, fp8 × scale in
     float32), on any host, and copied into a plain float64 model (``plain_float64``): the merge is over the
-    dequantized values, never the FP8 ones.
+    dequantized values, never the FP8 ones. The cast is ``cast_``'s: the rotary ``inv_freq`` stays in float32, as
+    ``from_pretrained(dtype=...)`` loads it for an engine.
     Eval mode. Raises what transformers / PEFT raise for a base or adapter they cannot load.
     """
     base_dir = Path(base_dir)
@@ -63,7 +64,22 @@ def peft_merged_model(base_dir: str | Path, adapter_dir: str | Path | None, *,
 
         _resize_to_adapter(model, Path(adapter_dir))
         model = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
-    return model.to(dtype or _serving_dtype(base_dir)).train(False)
+    return cast_(model, dtype or _serving_dtype(base_dir)).train(False)
+
+
+def cast_(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """``model`` (loaded by ``from_pretrained`` in float64) cast in place to ``dtype`` as ``from_pretrained(dtype=
+    dtype)`` would hold it: parameters and floating buffers cast, except the non-persistent float32 buffers, which
+    transformers computes in float32 whatever the load dtype (the rotary ``inv_freq`` / ``original_inv_freq``; a
+    buffer made in the load's default dtype is float64 here, and is cast), which keep their values. A plain ``model.to(dtype)``
+    rounds ``inv_freq`` to bfloat16, and then the oracle's forward is not the engine's: at an exact top-2 tie of
+    bitwise-equal weights its greedy token differs. Returns ``model``."""
+    kept = [(m, n, b) for m in model.modules() for n, b in m._buffers.items()
+            if n in m._non_persistent_buffers_set and b is not None and b.dtype == torch.float32]
+    model.to(dtype)
+    for m, n, b in kept:
+        m._buffers[n] = b
+    return model
 
 
 def _dequantize_config(base_dir: Path):
@@ -85,9 +101,15 @@ def plain_float64(model: torch.nn.Module) -> torch.nn.Module:
     """A new model of ``model``'s class and config holding its values in float64, without its quantizer. A model
     transformers loaded from an FP8 checkpoint with ``dequantize=True`` keeps the tensors it did not quantize in
     bfloat16 whatever the load dtype (PEFT then merges their LoRA in float32, not float64), and cannot be
-    saved with ``save_pretrained``; the copy has neither problem."""
+    saved with ``save_pretrained``; the copy has neither problem. Its non-persistent buffers (rotary ``inv_freq``)
+    are ``model``'s, in their dtypes (float32 where transformers computes them so: ``cast_``)."""
     plain = type(model)(model.config).to(torch.float64)
     plain.load_state_dict(model.state_dict(), strict=True)
+    source = dict(model.named_modules())
+    for name, module in plain.named_modules():
+        for buffer in module._non_persistent_buffers_set:
+            if module._buffers.get(buffer) is not None:
+                module._buffers[buffer] = source[name]._buffers[buffer]
     return plain.train(False)
 
 

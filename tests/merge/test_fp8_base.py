@@ -292,3 +292,45 @@ def test_engines_load_an_fp8_checkpoint_only_if_it_reads_as_a_base(files, tmp_pa
     with pytest.raises(MergeError, match=r"lm_head\.weight_scale_inv has no float8_e4m3fn values beside it"):
         read_fp8_checkpoint(stray)
     assert is_fp8_checkpoint(files["ue8m0"]) and read_fp8_checkpoint(files["ue8m0"])[1] == BLOCK
+
+
+def _buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return dict(model.named_buffers())
+
+
+@pytest.mark.parametrize("fmt", ["float", "bf16"])
+def test_oracle_model_computes_as_the_engine_it_judges(files, fmt):
+    """With the oracle's weights loaded bit for bit, the HF engine's forward is the oracle model's, bit for bit
+    (a verdict accepts no token flip then: ``tokens.compare_tokens`` with bound 0). Before, the oracle cast its
+    float64 model with ``model.to(bfloat16)``, which also rounded the rotary ``inv_freq`` (a float32 buffer in
+    any model ``from_pretrained`` loads, the engine's): logits 0.03 apart, and ``weightsync sync --base <FP8>
+    --accumulate-dtype float64`` (or ``--engine-base <bf16>``) failed on a greedy token at an exact top-2 tie."""
+    from sync_service.engines.hf import HFEngine
+    from sync_service.verify.fp8_oracle import compute_dtype, dequantized_, quantized_state
+    from sync_service.verify.peft_oracle import model_state, peft_merged_model
+
+    base = files["float"] if fmt == "float" else files["root"] / "bf16"
+    engine = HFEngine.from_pretrained(base)
+    table = engine.param_metas()
+    if fmt == "float":  # FP8 engine: reference()'s oracle (transformers' Fp8Quantize / Fp8Dequantize of the merge)
+        model = peft_merged_model(base, files["lora"], dtype=torch.float64)
+        state = quantized_state(model_state(model), table)
+        model = dequantized_(model, state, table, compute_dtype(table))
+    else:  # bf16 engine (also --engine-base): PEFT's float64 merge cast once
+        model = peft_merged_model(base, files["lora"])
+        state = model_state(model)
+    engine.begin_update(1, [m.name for m in table])
+    for m in table:
+        engine.apply(m.name, full_box(m.shape), state[m.name])
+    engine.finish_update()
+    engine.commit(1)
+    served = engine._model
+    want, got = _buffers(served), _buffers(model)
+    assert want.keys() == got.keys() and "model.rotary_emb.inv_freq" in want
+    for name in want:
+        assert got[name].dtype == want[name].dtype and torch.equal(got[name], want[name]), name
+    for name, p in served.named_parameters():
+        assert torch.equal(p, dict(model.named_parameters())[name]), name
+    ids = torch.tensor([[2, 3, 5, 7, 11, 13, 17]])
+    with torch.no_grad():
+        assert torch.equal(served(input_ids=ids).logits, model(input_ids=ids).logits)
