@@ -318,14 +318,14 @@ def _run_checked(args: argparse.Namespace, ep: int, tp: int, given: dict) -> int
     """``run`` once the inputs are HF directories: the preflight checks, then the engine kind's runner
     (``given``: the ``--base`` / ``--adapter`` paths as given, for the report)."""
     check_run_arguments(args)
-    check_sharding(args, args.base, ep, tp)  # the base itself first: --engine-base is compared with it
-    check_engine_base(args, args.base)
     if args.digests is not None and args.engine != "hf":
         fail(args, f"--digests: engine {args.engine!r} cannot read back its served weights; use --engine hf")
     if args.vllm_urls:
         from sync_service.entrypoints.preflight_vllm_server import check_servers
 
         check_servers(args)
+    check_sharding(args, args.base, ep, tp)  # the base itself before --engine-base, which is compared with it
+    check_engine_base(args, args.base)
     check_transport(args, ep * tp)
     engines = resolve_engines(args, args.adapter, args.base)
     if args.vllm_urls:
