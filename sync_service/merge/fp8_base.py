@@ -114,7 +114,7 @@ class Fp8Base(SafetensorsBase):
     Raises:
         MergeError: a bad ``quantization_config``, or one with no FP8 tensor; an FP8 tensor whose scales are
             missing, mis-shaped (not the block grid of its shape), transposed on disk, of another dtype than its
-            ``scale_fmt`` writes, or not finite (an ue8m0 byte 0xFF is NaN); scales without FP8 values — each
+            ``scale_fmt`` writes, not finite (an ue8m0 byte 0xFF is NaN) or <= 0; scales without FP8 values — each
             naming the tensor; and what ``SafetensorsBase`` raises.
     """
 
@@ -178,6 +178,9 @@ class Fp8Base(SafetensorsBase):
             scales = f.get_tensor(key).to(torch.float32)
         if not all_finite(scales):  # an ue8m0 byte 0xFF is NaN: every value of its block would be
             raise MergeError(f"{self.dir}: {key} (scales of {name}) holds NaN or Inf; {_FIX}")
+        if scales.numel() and float(scales.min()) <= 0:  # transformers' Fp8Quantize writes amax / 448 > 0
+            raise MergeError(f"{self.dir}: {key} (scales of {name}) holds a scale <= 0 ({float(scales.min()):g}): its "
+                             f"block would dequantize to zeros or flipped signs; block-FP8 scales are positive; {_FIX}")
         return scales
 
     def _check_stray_scales(self) -> None:

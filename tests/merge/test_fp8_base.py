@@ -204,6 +204,12 @@ def _broken(files, tmp_path: Path, change) -> Path:
      r"quantization_config scale_fmt is 'float', whose scales are F32"),
     (lambda t: t["model.layers.0.self_attn.k_proj.weight_scale_inv"].fill_(float("inf")),
      r"k_proj\.weight_scale_inv \(scales of model\.layers\.0\.self_attn\.k_proj\.weight\) holds NaN or Inf"),
+    # a zero scale dequantizes its block to zeros, a negative one flips its signs: refused as NaN / Inf are
+    (lambda t: t["model.layers.0.self_attn.k_proj.weight_scale_inv"].__setitem__((0, 1), 0.0),
+     r"k_proj\.weight_scale_inv \(scales of model\.layers\.0\.self_attn\.k_proj\.weight\) holds a scale <= 0 \(0\)"),
+    (lambda t: t["model.layers.0.mlp.experts.1.down_proj.weight_scale_inv"].mul_(-1),
+     r"experts\.1\.down_proj\.weight_scale_inv \(scales of model\.layers\.0\.mlp\.experts\.down_proj\) holds "
+     r"a scale <= 0 \(-"),
 ])
 def test_bad_scales_are_refused_in_one_line_naming_the_tensor(files, tmp_path, capsys, change, message):
     broken = _broken(files, tmp_path, change)
