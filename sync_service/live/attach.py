@@ -27,6 +27,7 @@ from sync_service.live.endpoint import TrainerEndpoint
 from sync_service.live.handle import EndpointHandle, register
 from sync_service.live.model import LiveModel, check_keys_match_peft, read_live_model
 from sync_service.live.state import LiveState
+from sync_service.sharding.replicas import ReplicasDisagreeError
 from sync_service.transports.devices import group_backend, group_device
 
 __all__ = ["attach_trainer", "AttachError"]
@@ -60,7 +61,8 @@ def attach_trainer(model, *, group=None, expert_range: tuple[int, int] | None = 
         TypeError: not a PEFT model. AttachError: a bad adapter name, a placement the endpoint cannot read
             (``Partial``, strided rows: named),
             an ``expert_range`` that is not two ints ``0 <= e0 < e1``, expert ranges that do not tile the
-            experts, or ranks that disagree — on every rank; a ``timeout_s`` that is not finite and > 0.
+            experts, ranks that disagree (their models; or replicated LoRA factors whose values differ, naming the
+            tensors and ranks: ``sharding/replicas.py``) — on every rank; a ``timeout_s`` that is not finite and > 0.
         RuntimeError: not inside a Ray actor.
     """
     import ray
@@ -104,7 +106,10 @@ def build_endpoint(model, *, group, rank: int, world: int, expert_range=None, ad
     ranges = _agree(rank, world, group, error, shape_digest, experts_at, timeout_s, _collective_device(group, world))
     if expert_range is not None:
         _check_tiling(ranges)
-    state.prepare()  # normalises the adapter's structure once
+    try:
+        state.prepare()  # normalises the adapter's structure once; replicas must agree (live/replicas.py)
+    except ReplicasDisagreeError as exc:  # raised alike on every rank
+        raise AttachError(f"attach_trainer: {exc}; no rank attached") from exc
     return TrainerEndpoint(state, rank=rank, before_send=before_send)
 
 

@@ -26,6 +26,7 @@ from sync_service.live.base import ExpertBlock, live_base
 from sync_service.live.gather import ShardGather
 from sync_service.live.model import LiveModel, LiveParam
 from sync_service.live.placement import group_ranks
+from sync_service.live.replicas import factor_parts
 from sync_service.live.structure import check_dora_rows, check_expert_ownership, num_experts_of, structural_adapter
 from sync_service.merge.adapter import adapter_from_state_dict
 from sync_service.merge.derive import layout_for
@@ -34,6 +35,7 @@ from sync_service.merge.terms import LoraAdapter
 from sync_service.sharding.base import ShardedBase
 from sync_service.sharding.ep_factors import FactorGather
 from sync_service.sharding.local_adapter import LocalAdapter
+from sync_service.sharding.replicas import ReplicaCheck
 from sync_service.sharding.rules import ShardSpec
 from sync_service.sharding.snapshots import Snapshots
 
@@ -82,6 +84,8 @@ class LiveState:
         self._snapshots: Snapshots[_Snapshot] = Snapshots(f"trainer rank {rank}")
         self._full_next = True  # the first sync of an attached trainer is full
         self._changed: frozenset[str] | None = None
+        self._replicas: ReplicaCheck | None = None  # made by prepare()
+        self._picks: list = []
 
     @classmethod
     def over_model(cls, live: LiveModel, *, group, rank: int, world: int, experts: ExpertBlock | None,
@@ -100,15 +104,24 @@ class LiveState:
                    timeout_s=timeout_s)
 
     def prepare(self) -> None:
-        """Exchange the DTensor factors' boxes (a collective on ``group``, with DTensor factors only) and
-        normalise the adapter's structure once against the base (no values). Every rank calls it once.
+        """Exchange the DTensor factors' boxes (a collective on ``group``, with DTensor factors only), exchange
+        which factor parts each rank holds and check that replicas agree now (collectives on ``group`` when
+        ``world > 1``: ``live/replicas.py``), and normalise the adapter's structure once against the base (no
+        values). Every rank calls it once.
 
         Raises:
-            ValueError: the ranks' factor boxes do not tile a factor. MergeError: the adapter does not fit
-                the base; a DoRA tensor split by columns (named).
+            ValueError: the ranks' factor boxes do not tile a factor. ReplicasDisagreeError: ranks holding the
+                same factor part hold different values (the same on every rank, naming the tensors and ranks).
+                MergeError: the adapter does not fit the base; a DoRA tensor split by columns (named).
         """
         if self._gather is not None:
             self._gather.exchange()
+        if self.world > 1:
+            parts = factor_parts(self.factors, self.spec, group_ranks(self.group, self.world))
+            self._picks = [pick for _, pick in parts]
+            self._replicas = ReplicaCheck([part for part, _ in parts], group=self.group, rank=self.rank,
+                                          world=self.world, timeout_s=self.timeout_s, device=self._group_device())
+            self.check_replicas({k: p.local() for k, p in self.factors.items()}, what="attach")
         structure = self.structure()
         check_dora_rows(structure, self.base, self.spec, self.rank)
         self._changed = structure.changed_names()
@@ -163,13 +176,34 @@ class LiveState:
 
         Raises:
             KeyError: no snapshot of ``version``. MergeError: a factor holds NaN or Inf (named).
+            ReplicasDisagreeError: replicas of a factor differ in the snapshot (every rank raises it; named).
         """
         snap = self._snapshots.take(version)
+        self.check_replicas(snap.factors, what=f"push of version {version}")
         adapter = self._whole_adapter(snap) if whole_adapter else self._adapter(snap)
         return MergedSource(snap.base, adapter, config=self.merge, owned=snap.base.owned(), layout=snap.base.layout)
 
     def drop_snapshot(self, version: int) -> None:
         self._snapshots.drop(version)
+
+    def check_replicas(self, factors: Mapping[str, torch.Tensor], *, what: str) -> None:
+        """Raise on every rank when ranks holding the same part of a factor hold different values of it
+        (``factors``: this rank's local factors by PEFT key). Collective on ``group`` when ``world > 1``; one
+        int64 per replicated part crosses.
+
+        Raises:
+            ReplicasDisagreeError: naming the tensors and the ranks (``sharding/replicas.py``).
+        """
+        if self._replicas is not None:
+            self._replicas.check([pick(factors) for pick in self._picks], what=what)
+
+    def _group_device(self) -> torch.device:
+        """Where ``group``'s collectives take their tensors (``transports.devices.group_device``)."""
+        import torch.distributed as dist
+
+        from sync_service.transports.devices import group_device
+
+        return group_device(dist.get_backend(self.group))
 
     def _copy(self) -> dict[str, torch.Tensor]:
         return {k: p.local().clone() for k, p in self.factors.items()}  # on the parameters' device
