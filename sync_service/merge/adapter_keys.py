@@ -49,10 +49,27 @@ def _scaling(config, key: str) -> tuple[int, float]:
     alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), key), config.lora_alpha)
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
         raise MergeError(f"adapter module {key}: r must be a positive int, got {r!r}; fix r / rank_pattern in the adapter_config")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not _finite(alpha):
         raise MergeError(f"adapter module {key}: lora_alpha must be a finite number, got {alpha!r}; "
                          f"fix lora_alpha / alpha_pattern in the adapter_config")
-    return r, (alpha / math.sqrt(r) if config.use_rslora else alpha / r)
+    s = float(alpha) / (math.sqrt(r) if config.use_rslora else r)
+    if abs(s) > MAX_SCALING:  # the merge's addmm_(alpha=s) takes a float32 scalar
+        rule = f"lora_alpha / sqrt(r) = {float(alpha):g} / sqrt({r})" if config.use_rslora else f"lora_alpha / r = {float(alpha):g} / {r}"
+        raise MergeError(f"adapter module {key}: scaling {rule} = {s:g} overflows float32, in which the merge applies "
+                         f"it (|scaling| <= {MAX_SCALING:.4g}); fix lora_alpha / alpha_pattern in the adapter_config")
+    return r, s
+
+
+MAX_SCALING = float(torch.finfo(torch.float32).max)
+"""Largest |lora_alpha / r| merged: the merge applies it as a float32 scalar (``staging.apply_parts``)."""
+
+
+def _finite(v: int | float) -> bool:
+    """``v`` is a finite number that converts to float (an int past ~1.8e308 does not)."""
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
 
 
 def _wrapper_copy(name: str, names: set[str]) -> bool:
@@ -215,6 +232,10 @@ class _Ctx:
         if self.by_parameter(module + ".weight"):
             return
         if getattr(self.config, "target_modules", None) is not None and not check_target_module_exists(self.config, module):
+            weight = self.layout.from_disk(module + ".weight")
+            if getattr(self.config, "ensure_weight_tying", False) and weight in set(self.tied) | set(self.tied.values()):
+                # PEFT wrapped the tied copy of a targeted side too
+                self._refuse_weight_tying(weight)
             raise MergeError(
                 f"adapter module {module} has LoRA weights but adapter_config target_modules "
                 f"{self.config.target_modules!r} does not select it; the config does not describe these weights"
@@ -266,8 +287,11 @@ class _Ctx:
         tied = set(self.tied) | set(self.tied.values())
         touched = sorted(tied & (set(self.out.replacements) | set(self.out.terms)))
         if touched:
-            raise MergeError(f"adapter_config ensure_weight_tying=true on tied tensor {touched[0]}: keeping the "
-                             f"trained copy tied is not merged here; save the adapter with ensure_weight_tying=false")
+            self._refuse_weight_tying(touched[0])
+
+    def _refuse_weight_tying(self, name: str) -> None:
+        raise MergeError(f"adapter_config ensure_weight_tying=true on tied tensor {name}: keeping the "
+                         f"trained copy tied is not merged here; save the adapter with ensure_weight_tying=false")
 
     def _experts_meta(self, module: str, name: str) -> ParamMeta:
         target = self.resolve(name)

@@ -52,7 +52,8 @@ MIN_STAGING_BYTES = 8
 
 
 def _check_out_parent(out_dir: Path) -> None:
-    """The nearest existing ancestor of ``out_dir`` must be a writable directory (it is created below it)."""
+    """The nearest existing ancestor of ``out_dir`` must be a directory this process can create a directory in
+    (``out_dir`` is created below it); raises ``MergeError`` naming ``--out`` and the ancestor."""
     parent = out_dir.absolute().parent
     while not parent.exists():
         parent = parent.parent
@@ -60,6 +61,11 @@ def _check_out_parent(out_dir: Path) -> None:
         raise MergeError(f"--out {out_dir}: {parent} is a file, not a directory; choose an --out under a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise MergeError(f"--out {out_dir}: {parent} is not writable; choose an --out under a writable directory")
+    try:  # os.access says yes to root on /proc and read-only mounts: make (and remove) a directory there
+        os.rmdir(tempfile.mkdtemp(prefix=".weightsync-probe-", dir=parent))
+    except OSError as exc:
+        raise MergeError(f"--out {out_dir}: cannot create a directory in {parent} ({exc.strerror or exc}); "
+                         f"choose an --out under a writable directory") from None
 
 
 class _PlainWriter:

@@ -224,3 +224,47 @@ def test_dcp_shapes_not_its_config_refused_in_one_line(capsys, good, tmp_path):
     capsys.readouterr()  # from_pretrained's own progress bar above
     _merge_fails(capsys, ckpt, ckpt, tmp_path / "out", "shapes are not those of its config.json",
                  "model.embed_tokens.weight", "torch.Size([63, 16])", "model.config.save_pretrained")
+
+
+@pytest.mark.parametrize("change,fragments", [
+    ({"lora_alpha": 1e300}, ("adapter module model.layers.0.", "scaling lora_alpha / r = 1e+300 / 2 = 5e+299 overflows "
+                                                               "float32", "fix lora_alpha / alpha_pattern")),
+    ({"alpha_pattern": {"q_proj": -1e39}}, ("adapter module model.layers.0.self_attn.q_proj", "= -5e+38 overflows")),
+    ({"lora_alpha": 1e39, "use_rslora": True}, ("lora_alpha / sqrt(r) = 1e+39 / sqrt(2)",)),
+    ({"lora_alpha": 10**400}, ("adapter_config.json: lora_alpha must be a finite number",)),
+], ids=["lora_alpha", "alpha_pattern", "rslora", "int_past_float"])
+def test_scaling_that_overflows_is_named(good, tmp_path, capsys, change, fragments):
+    """A scaling past float32 (the merge's addmm_ scalar) failed in 'value cannot be converted to type float
+    without overflow', naming neither the field nor the tensor."""
+    base, adapter = good
+    d = _copy(adapter, tmp_path / "adapter")
+    path = d / "adapter_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
+    _merge_fails(capsys, base, d, tmp_path / "out", *fragments)
+
+
+@pytest.mark.parametrize("out", ["/proc/weightsync-out", "/proc/weightsync-out/sub"])
+def test_out_under_an_unwritable_parent_names_out(good, capsys, out):
+    """``os.access`` allows root to write /proc; the merge named its internal temp path ('/proc/.foo.tmp-…')."""
+    base, adapter = good
+    rc = main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", out, "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"weightsync merge: error: --out {out}: cannot create a directory in /proc"), err
+    assert ".tmp-" not in err and "choose an --out under a writable directory" in err, err
+
+
+def test_ensure_weight_tying_on_a_tied_embedding_is_named(tmp_path, capsys):
+    """PEFT's ensure_weight_tying=true wraps lm_head too when embed_tokens (tied to it) is targeted; the merge
+    refused it as 'the config does not describe these weights' instead of naming the flag."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = make_base("qwen3_moe", tmp_path / "tied", num_layers=1, tie_word_embeddings=True)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(base)),
+                           LoraConfig(r=2, target_modules=["embed_tokens"], ensure_weight_tying=True))
+    model.save_pretrained(str(tmp_path / "adapter"))
+    capsys.readouterr()  # transformers' load bars
+    _merge_fails(capsys, base, tmp_path / "adapter", tmp_path / "out",
+                 "adapter_config ensure_weight_tying=true on tied tensor lm_head.weight",
+                 "save the adapter with ensure_weight_tying=false")
