@@ -178,6 +178,38 @@ def check_run_arguments(args: argparse.Namespace) -> None:
         fail(args, text)
     if args.json is not None and not args.json.parent.is_dir():
         fail(args, f"--json {args.json}: directory {args.json.parent} does not exist; create it or choose another path")
+    if getattr(args, "versions", None) is not None:
+        check_version_range(args, args.versions)
+    check_temp_dir(args)
+
+
+def check_version_range(args: argparse.Namespace, versions: int, flag: str = "--versions") -> None:
+    """``--first-version`` N and the ``versions`` pushed from it stay within the weight versions (int64's
+    ``[0, 2**63 - 1]``: ``coordinator.versions.MAX_VERSION``). Exits 2 naming the flags and the largest first
+    version that fits. (Without ``--first-version`` the run continues above what the engines serve, known only
+    once they answer; its first push refuses an overflow.)"""
+    from sync_service.coordinator.versions import MAX_VERSION
+
+    first = getattr(args, "first_version", None)
+    if first is None:
+        return
+    if first < 0:
+        fail(args, f"--first-version must be >= 0, got {first}; give a weight version in [0, 2**63 - 1]")
+    if first + versions - 1 > MAX_VERSION:
+        fail(args, f"--first-version {first} with {flag} {versions} pushes up to version {first + versions - 1}, past "
+                   f"the largest weight version 2**63 - 1 (an int64 on the wire); give --first-version at most "
+                   f"{MAX_VERSION - versions + 1} (or --reset-versions to number from 0)")
+
+
+def check_temp_dir(args: argparse.Namespace) -> None:
+    """The system temp directory leaves room for Ray's socket paths (``workdir.check_temp_dir``). Exits 2 naming
+    ``TMPDIR``, the bound and the fix."""
+    from sync_service.entrypoints.workdir import check_temp_dir as check
+
+    try:
+        check()
+    except ValueError as exc:
+        fail(args, str(exc))
 
 
 def check_deploy(args: argparse.Namespace, cfg) -> None:
@@ -201,6 +233,8 @@ def check_deploy(args: argparse.Namespace, cfg) -> None:
                    metrics_port=args.metrics_port)
     except (TypeError, ValueError) as exc:
         fail(args, str(exc).replace("SyncConfig.metrics_port", "--metrics-port").replace("SyncConfig.", f"{args.config}: sync."))
+    check_version_range(args, cfg.run.versions, flag=f"{args.config}: run.versions")
+    check_temp_dir(args)
     base, adapter = cfg.model.base, cfg.model.adapter
     if base.is_dir():
         check_sharding(args, base, cfg.trainers.ep, cfg.trainers.tp)

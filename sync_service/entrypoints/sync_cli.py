@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sync_service import defaults
-from sync_service.entrypoints.preflight import (CLI_ENGINES, check_adapter, check_run_arguments, check_sharding, check_transport,
-                                    fail, resolve_engines, resolve_parallel)
+from sync_service.entrypoints.preflight import (CLI_ENGINES, check_adapter, check_run_arguments, check_sharding, check_temp_dir,
+                                                check_transport, fail, resolve_engines, resolve_parallel)
 from sync_service.entrypoints.preflight_engine_base import check_engine_base
 from sync_service.entrypoints.progress import Steps
 from sync_service.verify.hf import verify_version
@@ -292,6 +292,7 @@ def run(args: argparse.Namespace) -> int:
     """``weightsync sync`` entry (see ``sync_service/entrypoints/cli.py``). Every check that needs no actor runs
     before Ray starts (``sync_service.entrypoints.preflight``); a bad value exits 2 with one line."""
     ep, tp = resolve_parallel(args)
+    check_temp_dir(args)  # before the temp dirs below
     for what, path in (("--base", args.base), ("--adapter", args.adapter)):
         if path is not None and not path.is_dir():
             fail(args, f"{what} {path}: not a directory")

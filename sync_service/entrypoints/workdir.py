@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 
-__all__ = ["RUN_PREFIX", "ray_temp", "run_dir", "run_root", "sweep_stale"]
+__all__ = ["RUN_PREFIX", "check_temp_dir", "ray_temp", "run_dir", "run_root", "sweep_stale"]
 
 RUN_PREFIX = "wsrun-"
 """Name prefix of every per-run directory in the system temp directory."""
@@ -96,8 +96,46 @@ def run_root(root: str | Path | None = None) -> Path:
 
 SOCKET_PATH_MAX = 107
 """AF_UNIX's longest socket path, bytes."""
-RAY_SOCKET_TAIL = len("/session_2026-12-05_03-30-47_554491_4194304/sockets/plasma_store")
-"""Longest path Ray puts under its ``_temp_dir`` for a socket (a 7-digit pid), bytes."""
+LINUX_PID_MAX = 1 << 22
+"""The largest ``/proc/sys/kernel/pid_max`` Linux allows (systemd's default); used where it cannot be read."""
+RUN_DIR_PREFIX_MAX = 4
+"""Longest prefix of a ``run_dir`` that hosts Ray (``"sync"``, ``"vsrv"``, ...), bytes."""
+
+
+def pid_max() -> int:
+    """This machine's ``/proc/sys/kernel/pid_max`` (every pid is below it); ``LINUX_PID_MAX`` where unreadable."""
+    try:
+        return int(Path("/proc/sys/kernel/pid_max").read_text())
+    except (OSError, ValueError):
+        return LINUX_PID_MAX
+
+
+def socket_budget() -> tuple[int, int, int]:
+    """``(Ray's tail, weightsync's run directory, TMPDIR's room)`` in bytes, at the longest pid of this machine:
+    Ray's plasma socket ``/session_<date>_<pid>/sockets/plasma_store`` under its ``_temp_dir``; the per-run
+    directory ``/wsrun-<pid>-<start>`` (base 36; a start time of 8 digits, until the year 2059), a ``run_dir``
+    (``RUN_DIR_PREFIX_MAX`` + ``mkdtemp``'s 8 random characters) and ``ray_temp``'s ``/r``; and what AF_UNIX's
+    107 bytes leave to ``TMPDIR``: 11 bytes where pid_max is 32768, 7 where it is 4194304 (README)."""
+    largest = pid_max() - 1
+    ray = len(f"/session_2026-12-05_03-30-47_554491_{largest}/sockets/plasma_store")
+    run = len(f"/{RUN_PREFIX}{_b36(largest)}-{_b36(36 ** 8 - 1)}/") + RUN_DIR_PREFIX_MAX + len("XXXXXXXX/r")
+    return ray, run, SOCKET_PATH_MAX - ray - run
+
+
+def check_temp_dir() -> None:
+    """The system temp directory (``TMPDIR``) leaves room for Ray's socket paths under a run directory at any pid
+    of this machine (``socket_budget``); what ``sync`` / ``demo`` / ``run`` check before Ray starts.
+
+    Raises:
+        ValueError: naming ``TMPDIR``, its length, the bound and the fix.
+    """
+    tmp = tempfile.gettempdir()
+    ray, run, room = socket_budget()
+    if len(os.fsencode(tmp)) > room:
+        raise ValueError(f"TMPDIR {tmp} ({len(os.fsencode(tmp))} bytes) is too long for Ray's socket paths: AF_UNIX "
+                         f"allows {SOCKET_PATH_MAX} bytes, of which Ray's names take {ray} and weightsync's run "
+                         f"directory {run} at this machine's pid_max {pid_max()}; set TMPDIR to a directory of at "
+                         f"most {room} bytes, e.g. /tmp")
 
 
 def ray_temp(run: Path) -> Path:
@@ -105,16 +143,18 @@ def ray_temp(run: Path) -> Path:
     socket ``<it>/session_<date>_<pid>/sockets/plasma_store`` must fit AF_UNIX's 107 bytes.
 
     Raises:
-        ValueError: the system temp directory (``TMPDIR``) is too long for that socket path, naming it and the fix.
+        ValueError: the system temp directory (``TMPDIR``) is too long for that socket path (``check_temp_dir``),
+            or ``run`` is (a ``run_dir`` prefix longer than ``RUN_DIR_PREFIX_MAX``), naming it and the fix.
     """
+    check_temp_dir()
     path = run / "r"
-    if len(os.fsencode(path)) + RAY_SOCKET_TAIL > SOCKET_PATH_MAX:
-        room = SOCKET_PATH_MAX - RAY_SOCKET_TAIL - (len(os.fsencode(path)) - len(os.fsencode(tempfile.gettempdir())))
-        raise ValueError(f"TMPDIR {tempfile.gettempdir()} is too long for Ray's socket paths (AF_UNIX allows "
-                         f"{SOCKET_PATH_MAX} bytes); set TMPDIR to a directory of at most {max(room, 1)} bytes, e.g. /tmp")
+    if len(os.fsencode(path)) + socket_budget()[0] > SOCKET_PATH_MAX:
+        raise ValueError(f"{run} is too long for Ray's socket paths (AF_UNIX allows {SOCKET_PATH_MAX} bytes); give "
+                         f"Ray a run_dir whose prefix is at most {RUN_DIR_PREFIX_MAX} bytes")
     return path
 
 
 def run_dir(prefix: str, root: str | Path | None = None) -> Path:
-    """A new private directory ``<run_root(root)>/<prefix>XXXXXXXX`` for the caller to remove when done."""
+    """A new private directory ``<run_root(root)>/<prefix>XXXXXXXX`` for the caller to remove when done (one that
+    hosts Ray, ``ray_temp``: a prefix of at most ``RUN_DIR_PREFIX_MAX`` bytes)."""
     return Path(tempfile.mkdtemp(prefix=prefix, dir=run_root(root)))

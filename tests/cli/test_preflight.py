@@ -39,9 +39,10 @@ def fails(capsys, argv: list[str], *fragments: str, code: int = 2) -> str:
         rc = main(argv)
     except SystemExit as exc:
         rc = exc.code
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     lines = [ln for ln in err.strip().splitlines() if not ln.startswith(("usage: ", " "))]
     assert rc == code, err
+    assert out == "", f"printed before the refusal (the results table's header?): {out!r}"
     assert "Traceback" not in err and "\x1b[" not in err, err
     assert len(lines) == 1 and lines[0].startswith(f"weightsync {argv[0]}: error: "), err
     for fragment in fragments:
@@ -201,3 +202,41 @@ def test_vllm_engine_refuses_a_head_size_its_cpu_attention_lacks(files, capsys):
     """The test base has head_dim 8; vLLM's CPU attention starts at 32."""
     fails(capsys, ["sync", "--base", str(files["base"]), "--adapter", str(files["lora"]), "--engine", "vllm"],
           "--engine vllm:", "head size 8 is not supported", "--engine hf")
+
+
+MAX_VERSION = (1 << 63) - 1
+
+
+@pytest.mark.parametrize("argv,fragments", [
+    (["--first-version", str(MAX_VERSION), "--versions", "2"],
+     ("--first-version 9223372036854775807 with --versions 2 pushes up to version 9223372036854775808",
+      "give --first-version at most 9223372036854775806")),
+    (["--first-version", "-1"], ("--first-version must be >= 0, got -1",)),
+])
+def test_a_version_range_past_int64_is_refused_before_ray(files, capsys, argv, fragments):
+    """``sync --first-version 2**63-1 --versions 2`` started Ray, pushed, and failed 53 s later."""
+    fails(capsys, ["sync", "--base", str(files["base"]), *argv], *fragments)
+    fails(capsys, ["demo", "--cache-dir", str(files["root"] / "no-demo"), *argv], *fragments[:1])
+
+
+def test_run_checks_its_version_range_before_ray(files, tmp_path, capsys):
+    import yaml
+
+    doc = {"model": {"base": str(files["base"])}, "trainers": {"ep": 1}, "engines": {"count": 1}, "run": {"versions": 3}}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(doc))
+    fails(capsys, ["run", "--config", str(tmp_path / "run.yaml"), "--first-version", str(MAX_VERSION - 1)],
+          f"--first-version {MAX_VERSION - 1} with {tmp_path / 'run.yaml'}: run.versions 3 pushes up to version")
+
+
+def test_a_tmpdir_too_long_is_refused_before_ray_and_before_the_table(files, tmp_path, capsys, monkeypatch):
+    """The results table's header printed before the refusal, and the bound stated was not the README's."""
+    import tempfile
+
+    from sync_service.entrypoints import workdir
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    room = workdir.socket_budget()[2]
+    fails(capsys, ["sync", "--base", str(files["base"]), "--adapter", str(files["lora"])],
+          f"TMPDIR {tmp_path} ({len(str(tmp_path))} bytes) is too long for Ray's socket paths",
+          f"set TMPDIR to a directory of at most {room} bytes, e.g. /tmp")
+    assert list(tmp_path.iterdir()) == [], "the refused run made directories under TMPDIR"

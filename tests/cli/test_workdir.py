@@ -75,6 +75,27 @@ def test_a_temp_dir_too_long_for_rays_sockets_is_refused_naming_tmpdir(tmp_path,
 
     short = workdir.ray_temp(Path("/tmp/wsrun-69n-mx9uuqby/sync480hnc2k"))  # the default's length fits
     assert short.name == "r"
-    monkeypatch.setattr(tempfile, "tempdir", "/tmp/" + "x" * 9)
-    with pytest.raises(ValueError, match=r"TMPDIR /tmp/x{9} is too long .* at most \d+ bytes, e\.g\. /tmp"):
-        workdir.ray_temp(Path("/tmp/" + "x" * 9) / "wsrun-69n-mx9uuqby" / "sync480hnc2k")
+    monkeypatch.setattr(workdir, "pid_max", lambda: 32768)
+    assert workdir.socket_budget() == (62, 34, 11)
+    monkeypatch.setattr(tempfile, "tempdir", "/tmp/" + "x" * 6)  # 11 bytes: fits
+    workdir.check_temp_dir()
+    monkeypatch.setattr(tempfile, "tempdir", "/tmp/" + "x" * 7)
+    with pytest.raises(ValueError, match=r"TMPDIR /tmp/x{7} \(12 bytes\) is too long .* Ray's names take 62 and "
+                                         r"weightsync's run directory 34 at this machine's pid_max 32768; set TMPDIR "
+                                         r"to a directory of at most 11 bytes, e\.g\. /tmp"):
+        workdir.ray_temp(Path("/tmp/" + "x" * 7) / "wsrun-69n-mx9uuqby" / "sync480hnc2k")
+    monkeypatch.setattr(workdir, "pid_max", lambda: 1 << 22)
+    assert workdir.socket_budget() == (64, 36, 7)
+
+
+def test_the_readme_states_the_tmpdir_bound_the_code_computes(monkeypatch):
+    """The README said ~12 bytes while an 11-byte TMPDIR was refused as 'at most 9'."""
+    import re
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    stated = re.search(r"a `TMPDIR` longer than (\d+) bytes \(where\s+`/proc/sys/kernel/pid_max` is (\d+); (\d+) bytes "
+                       r"where it is (\d+)\)", readme)
+    assert stated, "the README no longer states the TMPDIR bound"
+    for room, pids in ((stated.group(1), stated.group(2)), (stated.group(3), stated.group(4))):
+        monkeypatch.setattr(workdir, "pid_max", lambda pids=pids: int(pids))
+        assert workdir.socket_budget()[2] == int(room), (room, pids)
