@@ -73,3 +73,27 @@ def differs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 def max_diff(engine, oracle) -> float:
     state = ray.get(engine.state.remote(), timeout=120)
     return max(float(np.abs(state[n] - oracle[n].numpy()).max()) for n in oracle)
+
+
+DRIFT_KEYS = (r"layers\.0\.self_attn\.q_proj\.lora_B", r"layers\.1\.mlp\.experts\.lora_A")
+"""Two factors a replica drifts in (an attention factor, a fused expert factor), as PEFT keys name them."""
+
+
+def drift_factors(rank) -> list[str]:
+    """Runs in a training rank: add 0.25 to the factors ``DRIFT_KEYS`` name, in place (a step that ran on this
+    rank only), keeping their values for ``restore_factors``; their parameter names."""
+    import re
+
+    names = [n for n, _ in rank.peft.named_parameters() if any(re.search(k, n) for k in DRIFT_KEYS)]
+    rank.saved_factors = {n: rank.peft.get_parameter(n).detach().clone() for n in names}
+    with torch.no_grad():
+        for n in names:
+            rank.peft.get_parameter(n).add_(0.25)
+    return names
+
+
+def restore_factors(rank) -> None:
+    """Runs in a training rank: the values ``drift_factors`` kept, bit for bit."""
+    with torch.no_grad():
+        for n, t in rank.saved_factors.items():
+            rank.peft.get_parameter(n).copy_(t)

@@ -136,3 +136,27 @@ def test_partial_placement_fails_on_every_rank(bases, ranks):
         text = str(info.value)
         assert "AttachError" in text and re.search(r"lora_B\.weight is a DTensor placed \(Partial\(sum\),\) on a 1-D "
                                                    r"mesh \(2,\); mesh axis 0 has Partial\(sum\).*redistribute", text), text[-600:]
+
+
+def _reattach(rank):
+    from sync_service.live import attach_trainer
+
+    return attach_trainer(rank.model)
+
+
+def test_replicas_that_differ_fail_on_every_rank(bases, ranks):
+    """Two plain replicated ranks (no DDP) whose LoRA factors differ (rank 1 drifted in two factors): each would
+    merge its own rows chunk from its own factors, so the engines would serve a chimera; both ranks refuse,
+    naming the tensors and the ranks."""
+    from tests.trainer.conftest import DRIFT_KEYS, drift_factors, setup_ranks
+
+    setup_ranks(ranks, bases["qwen3_moe"], "plain")
+    assert len(ray.get(ranks[1].__ray_call__.remote(drift_factors))) == 2
+    refs = [r.__ray_call__.remote(_reattach) for r in ranks]
+    for ref in refs:
+        with pytest.raises(ray.exceptions.RayTaskError) as info:
+            ray.get(ref, timeout=300)
+        text = str(info.value)
+        assert "AttachError" in text and "replicas disagree at attach: trainer ranks [0, 1]" in text, text[-800:]
+        for key in DRIFT_KEYS:
+            assert re.search(key + r"\.weight: ranks \[0\] vs \[1\]", text), (key, text[-800:])

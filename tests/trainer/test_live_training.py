@@ -6,6 +6,9 @@ Oracle: PEFT ``merge_and_unload`` in float64 (cast once) of the adapter gathered
 
 from __future__ import annotations
 
+import re
+
+import numpy as np
 import pytest
 import torch
 
@@ -94,6 +97,36 @@ def test_step_during_a_held_send_leaves_the_snapshot(bases, engines, ranks, tmp_
         assert_engines_hold(engines[family], peft_merged(bases[family], snapshot, tmp_path / "snap"), what="held push")
     finally:
         ray.get([r.release_sends.remote() for r in ranks])
+        sync.close()
+
+
+def test_push_of_replicas_that_differ_is_refused_on_every_rank(bases, engines, ranks):
+    """Two plain replicated ranks (no DDP) agree at attach, then rank 1's factors drift: each rank would merge its
+    own rows chunk from its own factors (a chimera); the push is refused on every rank naming the tensors and
+    ranks, nothing is applied (the engines keep their version and weights), and once the ranks agree again the
+    next push commits."""
+    from sync_service.api import SyncConfig, SyncError, WeightSync
+    from tests.trainer.conftest import DRIFT_KEYS, drift_factors, restore_factors
+
+    fleet = engines["qwen3_moe"]
+    sync = WeightSync(trainers=setup_ranks(ranks, bases["qwen3_moe"], "plain"), engines=fleet,
+                      config=SyncConfig(**CONFIG_KW))
+    try:
+        sync.push(0)
+        before = ray.get([e.state.remote() for e in fleet], timeout=120)
+        ray.get(ranks[1].__ray_call__.remote(drift_factors))
+        with pytest.raises(SyncError) as info:
+            sync.push(1)
+        text = str(info.value)
+        assert "replicas disagree at push of version 1: trainer ranks [0, 1]" in text, text
+        for key in DRIFT_KEYS:
+            assert re.search(key + r"\.weight: ranks \[0\] vs \[1\]", text), (key, text)
+        assert set(sync.engine_versions().values()) == {0}
+        for old, new in zip(before, ray.get([e.state.remote() for e in fleet], timeout=120)):
+            assert all(np.array_equal(new[n], old[n]) for n in old), "a refused push changed an engine"
+        ray.get(ranks[1].__ray_call__.remote(restore_factors))  # bit-identical to rank 0 again
+        assert all(e.committed for e in sync.push(1).engines) and set(sync.engine_versions().values()) == {1}
+    finally:
         sync.close()
 
 
