@@ -21,7 +21,7 @@ from sync_service.fp8 import SCALE_WIRES, scale_meta, scale_name
 from sync_service.merge.finite import all_finite
 from sync_service.merge.fp8_fill import Fp8Fill
 from sync_service.merge.layouts import FamilyLayout
-from sync_service.merge.staging import Scratch, apply_parts, apply_terms, chunks, term_parts
+from sync_service.merge.staging import Scratch, apply_parts, apply_terms, chunks, term_parts, tile_bytes_for
 from sync_service.merge.targets import target_pieces
 from sync_service.merge.terms import LoraAdapter, RowOverride
 
@@ -38,13 +38,14 @@ class MergeConfig:
     still accumulates in ``accumulate_dtype`` and casts once, from the accumulator into ``out``."""
     staging_bytes: int = 64 << 20
     """Budget of the fp32 scratch, bytes; boxes larger than this are merged in chunks."""
-    tile_bytes: int = 2 << 20
-    """fp32 scratch per merge step, bytes (capped by ``staging_bytes``). Small enough that one step's
-    base values, scratch and output (4 MiB at 2 MiB of fp32 on a bf16 base) stay in this CPU's L2/L3,
-    so the three passes (cast in, add terms, cast out) cost about one pass over memory; large enough
-    that the per-step Python overhead (~10 torch calls) stays small. On one EP=2 trainer rank's whole
-    fill at 1x, 2 MiB took 0.86-0.88 x the CPU time of 1 MiB, 3-4 MiB 0.89 (docs/benchmarks.md, Merge);
-    the values are bitwise the same at every tile size."""
+    tile_bytes: int | None = None
+    """fp32 scratch per merge step, bytes (capped by ``staging_bytes``); ``None``: the merge device's
+    (``merge.staging.tile_bytes_for``). On a CPU 2 MiB: small enough that one step's base values, scratch and
+    output (4 MiB at 2 MiB of fp32 on a bf16 base) stay in this CPU's L2/L3, so the three passes (cast in, add
+    terms, cast out) cost about one pass over memory; large enough that the per-step Python overhead (~10 torch
+    calls) stays small. On one EP=2 trainer rank's whole fill at 1x, 2 MiB took 0.86-0.88 x the CPU time of 1 MiB,
+    3-4 MiB 0.89 (docs/benchmarks.md, Merge). On a GPU the whole staging budget (whole expert blocks: the cost
+    there is kernel launches, not cache). The values are bitwise the same at every tile size."""
     fp8_blocks: Mapping[str, tuple[int, int]] | None = None
     """FP8 value name → block ``(bm, bn)``, for the tensors the plan sends in block FP8 (values
     ``float8_e4m3fn`` in ``out_dtypes`` plus their scales ``sync_service.fp8.scale_name``; set per send by the
@@ -136,8 +137,10 @@ class MergedSource:
         blocks = dict(config.fp8_blocks or {})
         if blocks:  # block FP8: each values box is followed by its scales box, as the plan lists them
             owned = [x for m in owned for x in ([m, scale_meta(m, blocks[m.name])] if m.name in blocks else [m])]
-        self._fp8 = Fp8Fill(blocks, self._merge_box, self._accumulate_of, self._scale_fmt,
-                            tile_bytes=min(config.tile_bytes, config.staging_bytes))
+        self.device = torch.device(getattr(base, "device", "cpu"))
+        """Where the merge runs: the base's device (its scratch and temporaries live there; ``out`` may be elsewhere)."""
+        self._tile_bytes = tile_bytes_for(self.device, config.staging_bytes, config.tile_bytes)
+        self._fp8 = Fp8Fill(blocks, self._merge_box, self._accumulate_of, self._scale_fmt, tile_bytes=self._tile_bytes)
         if config.out_dtypes:  # the plan's dtypes (the engines'), cast once from the accumulator or the base
             owned = [replace(m, dtype=config.out_dtypes.get(m.name, m.dtype)) for m in owned]
         self._owned = list(owned)
@@ -153,9 +156,8 @@ class MergedSource:
             if self._dtypes[name] not in SCALE_WIRES:
                 raise MergeError(f"scales {name} would be written as {self._dtypes[name]}; block-FP8 scales are "
                                  f"one of {', '.join(SCALE_WIRES)} (the plan's dtype: the engines')")
-        self.device = torch.device(getattr(base, "device", "cpu"))
-        """Where the merge runs: the base's device (its scratch and temporaries live there; ``out`` may be elsewhere)."""
         self._scratch = Scratch(config.staging_bytes)
+        self._cast: dict[tuple, list] = {}  # (name, dtype, device, factor identities and versions) -> cast terms
         self._fp8_scratch = torch.empty(0, dtype=torch.uint8, device=self.device)
 
     @property
@@ -232,6 +234,8 @@ class MergedSource:
     def _fill_terms(self, name: str, box: Box, out: torch.Tensor, terms) -> None:
         """Per tile: base → fp32 scratch → + its term parts → one cast into ``out``; a tile no term
         touches is cast straight from the base (same values, no fp32 round trip)."""
+        acc = self._accumulate(TORCH_DTYPES[self._base_metas[name].dtype])
+        terms = self._terms_in(name, terms, acc)
         for sub in self._chunks(name, box):
             parts = term_parts(terms, sub)
             view = out[_rel(sub, box)]
@@ -272,7 +276,22 @@ class MergedSource:
 
     def _chunks(self, name: str, box: Box):
         itemsize = self._accumulate(TORCH_DTYPES[self._base_metas[name].dtype]).itemsize
-        return chunks(box, min(self.config.tile_bytes, self.config.staging_bytes), itemsize)
+        return chunks(box, self._tile_bytes, itemsize)
+
+    def _terms_in(self, name: str, terms, dtype: torch.dtype) -> list:
+        """``terms`` with their factors in the accumulation ``dtype`` on the merge device: cast once per source and
+        tensor, not once per tile (on a GPU a per-tile cast is two more launches per tile). The key holds each
+        factor's identity and ``_version`` (bumped by any in-place update), so a factor changed in place is cast
+        again; factors already in ``dtype`` on the device are used as they are."""
+        device = self.device
+        if all(t.x.dtype == t.y.dtype == dtype and t.x.device == t.y.device == device for t in terms):
+            return terms
+        key = (name, dtype, device, tuple((id(t.x), t.x._version, id(t.y), t.y._version) for t in terms))
+        cast = self._cast.get(key)
+        if cast is None:
+            self._cast = {k: v for k, v in self._cast.items() if k[0] != name}  # one cast set per tensor
+            cast = self._cast[key] = [replace(t, x=t.x.to(device, dtype), y=t.y.to(device, dtype)) for t in terms]
+        return cast
 
     def _merged(self, name: str, sub: Box, terms) -> torch.Tensor:
         """Base values of ``sub`` + every term, in the reused scratch (valid until the next call)."""

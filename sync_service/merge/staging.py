@@ -3,9 +3,12 @@
 The scratch is allocated once (grown at most up to the budget) and reused: first-touch
 allocation runs at ~3 GB/s, copies into touched memory at ~20 GB/s (DESIGN.md, measured).
 A box is cut into tiles along its leading dims (experts first, then rows, then columns) of at most
-``MergeConfig.tile_bytes`` (cache-sized, 2 MiB) under the ``staging_bytes`` budget, so no step
-holds a whole fused [E, 2I, H] fp32 temporary and each tile's cast-in / add / cast-out passes run
-in cache. Tiles that no term touches skip the scratch (one cast, same values).
+``MergeConfig.tile_bytes`` under the ``staging_bytes`` budget, so no step holds a whole fused [E, 2I, H]
+fp32 temporary. The tile size is the device's (``tile_bytes_for``): on a CPU cache-sized (2 MiB), so each
+tile's cast-in / add / cast-out passes run in cache; on a GPU the whole staging budget, so a tile is whole
+expert blocks and a 600 MB expert tensor is ~10 tiles of a few kernel launches each instead of ~300 launch-bound
+ones (a GPU's L2 holds no useful tile; its cost is the launches). Tiles that no term touches skip the scratch
+(one cast, same values). The values are bitwise the same at every tile size.
 """
 
 from __future__ import annotations
@@ -20,6 +23,18 @@ from protocols.params import Box, box_shape
 from sync_service.merge.terms import LoraTerm, Sel
 
 _FP32_BYTES = 4
+
+TILE_BYTES: dict[str, int | None] = {"cpu": 2 << 20, "cuda": None}
+"""Device type → merge tile, bytes of the accumulation dtype (``None``: the whole staging budget). CPU: 2 MiB,
+measured (docs/benchmarks.md, Merge); CUDA: the budget (whole expert blocks; unmeasured until a GPU run)."""
+
+
+def tile_bytes_for(device: torch.device | str, staging_bytes: int, configured: int | None = None) -> int:
+    """The merge tile for ``device``, bytes: ``configured`` (``MergeConfig.tile_bytes``) when given, else the
+    device's ``TILE_BYTES``; never above ``staging_bytes``. An unknown device type takes the CPU's."""
+    kind = torch.device(device).type
+    tile = configured if configured is not None else TILE_BYTES.get(kind, TILE_BYTES["cpu"])
+    return min(staging_bytes if tile is None else tile, staging_bytes)
 
 
 class Scratch:

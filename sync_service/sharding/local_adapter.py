@@ -19,7 +19,7 @@ import torch
 
 from sync_service.merge.adapter import adapter_from_state_dict
 from sync_service.merge.errors import MergeError
-from sync_service.merge.finite import all_finite
+from sync_service.merge.finite import nonfinite_keys
 from sync_service.merge.layouts import expert_names
 from sync_service.merge.terms import LoraAdapter
 from sync_service.sharding.base import ShardedBase
@@ -53,10 +53,9 @@ class LocalAdapter:
         Raises:
             MergeError: a factor holds NaN or Inf (named), or the adapter does not fit the base.
         """
-        for key, t in factors.items():
-            if t.is_floating_point() and not all_finite(t):
-                raise MergeError(f"adapter key {key}: holds NaN or Inf values on trainer rank {rank}; "
-                                 f"training diverged — the sync is refused and no engine is changed")
+        for key in nonfinite_keys(factors)[:1]:  # device factors: one host synchronization for all of them
+            raise MergeError(f"adapter key {key}: holds NaN or Inf values on trainer rank {rank}; "
+                             f"training diverged — the sync is refused and no engine is changed")
         key = tuple(sorted((k, tuple(v.shape), v.dtype) for k, v in factors.items()))
         if key == self._key and self._adapter is not None:
             for k, t in factors.items():

@@ -146,7 +146,17 @@ class Sender:
         return 0 if self._stage is None else self._stage.numel()
 
     def _pack(self, source: WeightSource, entries, arr, digest: RunningChecksum, times: list[float]) -> tuple[int, int]:
+        if not getattr(self.transport, "hashes_payload", True):  # cuda_ipc on a GPU: header MAC only (its module doc)
+            t0 = time.perf_counter()
+            with self.transport.filling():
+                nbytes = pack_bucket(source, entries, as_byte_tensor(arr))
+            times[0] += time.perf_counter() - t0
+            return nbytes, 0
         if self.stage_device is None:
+            filling = getattr(self.transport, "filling", None)  # cuda_ipc: its side stream (a no-op on CPU)
+            if filling is not None:
+                with filling():
+                    return pack_and_hash(source, entries, arr, digest, times)
             return pack_and_hash(source, entries, arr, digest, times)
         if self._stage is None:
             self._stage = torch.empty(self.pool.bucket_bytes, dtype=torch.uint8, device=self.stage_device)

@@ -14,10 +14,19 @@ reused only after every receiver released it), replies, dead-peer detection, seg
 the header and the note ``(payload bytes, sender, n)``. The bucket MAC, checksum, sequence numbers and the
 two-phase commit are the streaming layer's, identical for every transport.
 
-Zero copy on both ends: ``reserve`` lends the next frame's device slot (the ``Sender`` fills it in place:
-the bucket *is* the slot); ``recv`` returns a view of the slot (a numpy array on CPU, a CUDA uint8 tensor
-on a GPU), valid until ``release``. On CUDA the sender synchronizes its device before publishing a frame,
-and a receiver before releasing one, so neither side reads or overwrites a slot the other still uses.
+Zero copy on both ends: ``reserve`` lends the next frame's device slot (the ``Sender`` fills it in place, on the
+sender's side stream, inside ``filling()``: the bucket *is* the slot); ``recv`` returns a view of the slot (a numpy
+array on CPU, a CUDA uint8 tensor on a GPU), valid until ``release``. Neither side synchronizes its device: one
+interprocess CUDA event per slot (``cuda_device.SlotEvents``), shared once with the slot handles, is recorded by
+the sender after the fill and waited on by the receiver's stream before it reads; the receiver hands a slot back
+after an event behind its own reads completed. So a push does not wait for the training step it overlaps, nor
+an engine's release for its generation. The receiver initializes CUDA before it maps a slot and maps it on the
+sender's GPU, found by UUID (``cuda_device``); a receiver that cannot see that GPU is refused in one line.
+
+On CUDA the payload is not hashed (``TransportSpec.hashes_payload``): the slot is the sender's own device memory,
+mapped, never on a wire, and hashing it would copy every byte across PCIe (~10 GB/s) on one core, slower than
+the transport itself. The header, with its MAC, sequence number, entries and payload size, is checked as on
+every transport; the host flavour hashes as ``shm`` does.
 
 Frame 0 of every sender is its handles (``_HANDLES`` + msgpack), read by every receiver while it opens:
 a channel's senders send nothing else before every receiver opened (the coordinator's open round).
@@ -34,6 +43,7 @@ import numpy as np
 import torch
 
 from protocols.interfaces import TransportError
+from sync_service.transports.cuda_device import SlotEvents, device_uuid, map_shared_slot, visible_index
 from sync_service.transports.shm import ShmReceiver, ShmSender
 from sync_service.transports.shm_files import create_owned, map_owned, unlink
 from sync_service.transports.spec import TransportSpec
@@ -61,9 +71,9 @@ def share(slot: torch.Tensor) -> list:
 
 
 def open_shared(handle: list) -> torch.Tensor:
-    """The uint8 tensor over a device slot another process shared with ``share`` (maps it; no copy)."""
-    storage = torch.UntypedStorage._new_shared_cuda(*handle)
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),), (1,))
+    """The uint8 tensor over a device slot another process shared with ``share`` (maps it; no copy; CUDA is
+    initialized first: ``cuda_device.map_shared_slot``)."""
+    return map_shared_slot(handle)
 
 
 def _host_slots(spec: TransportSpec, sender: int) -> tuple[list[torch.Tensor], list, str]:
@@ -97,11 +107,6 @@ def _copy_into(view, payload) -> None:
         view[:size].copy_(src)
 
 
-def _synchronize(slot: torch.Tensor) -> None:
-    if slot.is_cuda:
-        torch.cuda.synchronize(slot.device)
-
-
 class IpcSender:
     """Sender side: ``spec.slots`` device buffers shared once, frames published through a shm ring."""
 
@@ -116,20 +121,32 @@ class IpcSender:
             handles = [share(s) for s in self.slots]
             for s in self.slots:
                 s.fill_(1)  # touch every page (device memory) once, here
+            torch.cuda.synchronize(device)  # once, at open: the touch has landed before any receiver maps a slot
             self._unlink_slots = None
         else:  # host slots: every page reserved and touched by create_owned
             self.slots, handles, path = _host_slots(spec, sender)
             self._unlink_slots = weakref.finalize(self, unlink, path)  # the name goes with this sender
         self._views = [s if s.is_cuda else s.numpy() for s in self.slots]
+        self.events = SlotEvents.create(self.slots[0].device, len(self.slots))
         self.ring = ShmSender(_ring_spec(spec), sender)
         self._reserved: deque[np.ndarray] = deque()  # ring note areas of frames reserved, not yet sent
         self._sent = 0  # frames published (mirrors the ring's write sequence)
-        info = {"sender": sender, "cuda": device.type == "cuda", "bytes": spec.bucket_bytes, "handles": handles}
+        info = {"sender": sender, "cuda": device.type == "cuda", "bytes": spec.bucket_bytes, "handles": handles,
+                "events": self.events.handles(), "uuid": device_uuid(self.slots[0].device)}
         self._publish(_HANDLES + msgpack.packb(info), None, spec.connect_timeout_s)
 
     @property
     def num_receivers(self) -> int:
         return self.spec.num_receivers
+
+    @property
+    def hashes_payload(self) -> bool:
+        """False for device slots: the payload is not hashed, the header MAC still checked (module doc)."""
+        return not self.slots[0].is_cuda
+
+    def filling(self):
+        """Context the ``Sender`` fills reserved slots in: the side stream on CUDA (``SlotEvents.use``), else a no-op."""
+        return self.events.use()
 
     def reserve(self, timeout_s: float):
         """The writable device slot (uint8, ``bucket_bytes``: numpy on CPU, a tensor on CUDA) of the next
@@ -152,8 +169,10 @@ class IpcSender:
         if not self._reserved:
             self._reserved.append(self.ring.reserve(timeout_s))  # waits until the slot is free
         if _address(payload) != slot.data_ptr():
-            _copy_into(self._views[n % len(self.slots)], payload)
-        _synchronize(slot)  # the fill (or copy) has landed before a receiver can see the frame
+            with self.events.use():
+                _copy_into(self._views[n % len(self.slots)], payload)
+        with self.events.use():
+            self.events.record(n % len(self.slots))  # the receiver's stream waits for it before reading the slot
         note = self._reserved.popleft()
         note[:8 * _NOTE].view(np.uint64)[:] = (len(payload), self.sender, n)
         self.ring.send(header, note[:8 * _NOTE], timeout_s)
@@ -161,6 +180,7 @@ class IpcSender:
 
     def _publish(self, header: bytes, payload, timeout_s: float) -> None:
         self._reserved.clear()  # the ring drops reservations on a frame without its reserved payload
+        self.events.inputs_ready()  # a control frame (Begin) starts a stream: its fills follow the caller's inputs
         self.ring.send(header, payload, timeout_s)
         self._sent += 1
 
@@ -183,7 +203,8 @@ class IpcReceiver:
         self.ring = ShmReceiver(_ring_spec(spec), receiver)
         self.slots: list[list[torch.Tensor]] = [[] for _ in range(spec.num_senders)]
         self._views: list[list] = [[] for _ in range(spec.num_senders)]
-        self._held: deque[torch.Tensor] = deque()
+        self.events: list[SlotEvents | None] = [None] * spec.num_senders
+        self._held: deque[tuple[int, int] | None] = deque()  # (sender, slot) of each held frame
         try:
             for _ in range(spec.num_senders):
                 self._attach(spec.connect_timeout_s)
@@ -194,6 +215,11 @@ class IpcReceiver:
     @property
     def max_held(self) -> int:
         return self.ring.max_held
+
+    @property
+    def hashes_payload(self) -> bool:
+        """False when a sender's slots are device memory (the sender sends no payload hash: module doc)."""
+        return not any(slots and slots[0].is_cuda for slots in self.slots)
 
     def _attach(self, timeout_s: float) -> None:
         """Read one sender's handles frame (its frame 0) and map its slots.
@@ -209,8 +235,16 @@ class IpcReceiver:
         if info["bytes"] != self.spec.bucket_bytes or len(info["handles"]) != self.spec.slots or self.slots[s]:
             raise TransportError(f"cuda_ipc {self.spec.name}: sender {s}'s slots ({len(info['handles'])} x "
                                  f"{info['bytes']} B) do not match the spec ({self.spec.slots} x {self.spec.bucket_bytes} B)")
-        self.slots[s] = ([open_shared(h) for h in info["handles"]] if info["cuda"]
-                         else _open_host_slots(info["handles"], self.spec))
+        if info["cuda"]:
+            what = f"cuda_ipc {self.spec.name}"
+            visible = [device_uuid(torch.device("cuda", i)) for i in range(torch.cuda.device_count())]
+            device = torch.device("cuda", visible_index(info["uuid"], visible, what=what))
+            with torch.cuda.device(device):
+                self.slots[s] = [open_shared(h) for h in info["handles"]]
+        else:
+            device = torch.device("cpu")
+            self.slots[s] = _open_host_slots(info["handles"], self.spec)
+        self.events[s] = SlotEvents.open(device, info.get("events"), len(self.slots[s]))
         self._views[s] = [t if t.is_cuda else t.numpy() for t in self.slots[s]]
 
     def recv(self, timeout_s: float):
@@ -225,15 +259,17 @@ class IpcReceiver:
         if not 0 <= s < len(self.slots) or not self.slots[s] or size > self.spec.bucket_bytes:
             self._held.append(None)  # released with the ring's frame, in order
             raise TransportError(f"cuda_ipc {self.spec.name}: bad slot note (sender {s}, {size} bytes)")
-        self._held.append(self.slots[s][n % len(self.slots[s])])
-        return header, self._views[s][n % len(self._views[s])][:size]
+        k = n % len(self.slots[s])
+        self.events[s].wait(k)  # this process's stream runs its reads after the sender's fill
+        self._held.append((s, k))
+        return header, self._views[s][k][:size]
 
     def release(self) -> None:
-        """Frees the oldest held frame's slot (after this device finished reading it); thread-safe as the ring."""
+        """Frees the oldest held frame's slot (after this stream's reads of it ran); thread-safe as the ring."""
         if self._held:
-            slot = self._held.popleft()
-            if slot is not None:
-                _synchronize(slot)
+            held = self._held.popleft()
+            if held is not None:
+                self.events[held[0]].release(held[1])  # this stream's reads of the slot have run
             self.ring.release()
 
     def reply(self, message: bytes, timeout_s: float) -> None:

@@ -18,6 +18,11 @@ the store's ``reply`` queue. One sender only. With NCCL, a sender's device bucke
 NCCL takes device buckets) is broadcast as it is; a host payload, and every receive, is staged through
 preallocated device buffers (one copy).
 
+Under NCCL each rank binds its current CUDA device before the group is made (``cuda_device.bind_device``; the
+communicator lives on that device) and publishes its GPU's UUID on the store; a group where two ranks hold one
+GPU is refused in one line naming the ranks (``cuda_device.refuse_shared_gpu``) instead of NCCL's "Duplicate GPU
+detected" inside the first broadcast — on a one-GPU machine, run trainers and engines with ``transport="cuda_ipc"``.
+
 Every wait has a timeout (``Work.wait``); a timed-out or failed collective leaves the group out of
 step, so the transport is then marked broken and every later call raises ``TransportError``.
 """
@@ -36,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from protocols.interfaces import PeerLostError, TransportError
+from sync_service.transports.cuda_device import bind_device, device_uuid, refuse_shared_gpu
 from sync_service.transports.spec import TransportSpec
 from sync_service.transports.store import StoreClient, local_address_toward
 
@@ -95,7 +101,16 @@ class _Group:
                 options._devices = [dist.ProcessGroupGloo.create_device(hostname=self.local_address)]
                 options._timeout = timedelta(seconds=spec.op_timeout_s)
                 return cls(self.store, self.rank, self.world, options)
-            return cls(self.store, self.rank, self.world, timedelta(seconds=spec.op_timeout_s))
+            device = bind_device("cuda")
+            self.store.set(f"gpu/{self.rank}", device_uuid(device).encode())
+            refuse_shared_gpu({r: self.store.get(f"gpu/{r}").decode() for r in range(self.world)},
+                              what=f"torch_dist {spec.name} (NCCL)")
+            pg = cls(self.store, self.rank, self.world, timedelta(seconds=spec.op_timeout_s))
+            if hasattr(pg, "bound_device_id"):  # eager communicator init on the bound device, as init_process_group(device_id=)
+                pg.bound_device_id = device
+            return pg
+        except TransportError:
+            raise
         except (RuntimeError, TimeoutError) as exc:  # c10d wraps the store's errors
             raise TransportError(f"torch_dist {spec.name}: rank {self.rank} could not join the group within "
                                  f"{spec.connect_timeout_s:.1f}s: {str(exc)[:300]}") from None
