@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from sync_service.bench.rows import BenchConfig
+from sync_service.entrypoints.sync_args import absolute_path
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -75,11 +76,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--link-transport", choices=("torch", "ray"), default=d.link_transport,
                         help=f"transport of our syncs across hosts (default {d.link_transport})")
     parser.add_argument("--link-only", action="store_true", help="run only the rows across hosts")
-    parser.add_argument("--link-driver", type=Path, default=None, help=argparse.SUPPRESS)  # link_run's driver process
-    parser.add_argument("--cache-dir", type=Path, default=d.cache_dir, help=f"generated models (default {d.cache_dir})")
+    parser.add_argument("--link-driver", type=absolute_path, default=None, help=argparse.SUPPRESS)  # link_run's driver process
+    parser.add_argument("--cache-dir", type=absolute_path, default=d.cache_dir, help=f"generated models (default {d.cache_dir})")
     parser.add_argument("--timeout", type=float, default=d.timeout_s, help="bound of every blocking step, s")
-    parser.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
-    parser.add_argument("--plot", type=Path, default=None, help="write a PNG plot (time and memory vs size) here")
+    parser.add_argument("--json", type=absolute_path, default=None, help="write the results as JSON here")
+    parser.add_argument("--plot", type=absolute_path, default=None, help="write a PNG plot (time and memory vs size) here")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -24,10 +24,11 @@ from pathlib import Path
 from sync_service.entrypoints.demo_live import TRAINERS
 from sync_service.entrypoints.preflight import check_run_arguments, check_transport, fail, resolve_engines, resolve_parallel
 from sync_service.entrypoints.sync_cli import RunConfig, add_common_arguments, execute_engine, quiet_libraries, version_options
+from sync_service.entrypoints.sync_args import absolute_path
 from sync_service.synthetic.demo_files import DEMO_ADAPTER, DEMO_MODEL, ensure_files, ensure_tp_base
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "weightsync" / "demo",
+    parser.add_argument("--cache-dir", type=absolute_path, default=Path.home() / ".cache" / "weightsync" / "demo",
                         help="where the generated checkpoint + adapter are cached (default ~/.cache/weightsync/demo)")
     add_common_arguments(parser, versions=3)
     parser.add_argument("--rl", action="store_true",
@@ -37,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "hsdp: replicate 2 x shard 2, fsdp2-tp: shard 2 x tp 2, fsdp2-ep: dp 2 x ep 2, tp-ep: ep 2 x tp 2, "
                              "4 ranks); verified against "
                              "PEFT's float64 merge")
-    parser.add_argument("--png", type=Path, default=Path("weightsync_rl_rewards.png"),
+    parser.add_argument("--png", type=absolute_path, default=Path("weightsync_rl_rewards.png"),
                         help="--rl: where the reward-curve PNG goes (default ./weightsync_rl_rewards.png)")
 
 

@@ -24,13 +24,14 @@ from sync_service.verify.hf import verify_weights
 from sync_service.entrypoints.sync_cli import (VersionRow, add_version_arguments, announce_metrics, first_version, print_header,
                                                print_row, quiet_libraries, write_json)
 from sync_service.entrypoints.workdir import run_dir, ray_temp
+from sync_service.entrypoints.sync_args import absolute_path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, type=Path, help="YAML config (see deploy/example-config.yaml)")
+    parser.add_argument("--config", required=True, type=absolute_path, help="YAML config (see deploy/example-config.yaml)")
     parser.add_argument("--address", default=None,
                         help="Ray cluster: 'auto' (this node's cluster) or HOST:PORT; omitted: start a local Ray")
-    parser.add_argument("--json", type=Path, default=None, help="write the results as JSON to this path")
+    parser.add_argument("--json", type=absolute_path, default=None, help="write the results as JSON to this path")
     parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                         help="serve Prometheus metrics on 127.0.0.1:PORT/metrics while the run lasts (0: a free port)")
     add_version_arguments(parser)
@@ -167,8 +168,15 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, FileNotFoundError) as exc:
         fail(args, f"{args.config}: {exc}")
     for what, path in (("model.base", cfg.model.base), ("model.adapter", cfg.model.adapter)):
+        if path is not None and not path.is_absolute() and args.address is not None:
+            fail(args, f"{args.config}: {what} {path} is relative, and the Ray nodes read it from their own working "
+                       f"directory; give an absolute path on storage every node mounts")
         if path is not None and not path.is_dir() and args.address is None:
             fail(args, f"{args.config}: {what} {path}: not a directory")
+    # a local run: relative model paths are the driver's, made absolute before the actors get them
+    if args.address is None:
+        cfg.model.base = cfg.model.base.expanduser().absolute()
+        cfg.model.adapter = cfg.model.adapter and cfg.model.adapter.expanduser().absolute()
     check_deploy(args, cfg)
     if args.json is not None and not args.json.parent.is_dir():
         fail(args, f"--json {args.json}: directory {args.json.parent} does not exist; create it or choose another path")

@@ -10,19 +10,26 @@ from sync_service import defaults
 from sync_service.entrypoints.preflight import CLI_ENGINES
 from sync_service.transports.spec import TRANSPORTS
 
-__all__ = ["add_arguments", "add_common_arguments", "add_version_arguments", "version_options"]
+__all__ = ["absolute_path", "add_arguments", "add_common_arguments", "add_version_arguments", "version_options"]
+
+
+def absolute_path(text: str) -> Path:
+    """The ``type=`` of every path flag: ``text`` (``~`` expanded) made absolute against the working directory
+    now, since the processes it is handed to (Ray workers, a ``vllm serve`` started in its own directory) have
+    another one (a relative ``--base qwen-base`` was read there as a Hub repo name)."""
+    return Path(text).expanduser().absolute()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base", required=True, type=Path, help="base checkpoint directory (a block-FP8 one: the "
+    parser.add_argument("--base", required=True, type=absolute_path, help="base checkpoint directory (a block-FP8 one: the "
                                                                  "trainers read it dequantized, docs/merge.md)")
-    parser.add_argument("--adapter", type=Path, default=None, help="PEFT LoRA adapter directory (optional)")
-    parser.add_argument("--engine-base", type=Path, default=None, metavar="DIR",
+    parser.add_argument("--adapter", type=absolute_path, default=None, help="PEFT LoRA adapter directory (optional)")
+    parser.add_argument("--engine-base", type=absolute_path, default=None, metavar="DIR",
                         help="the checkpoint the engines load (default: --base): the base in the serving dtype (each "
                              "tensor merged in the accumulation dtype and cast once into the engine's) or in block FP8 "
                              "(weightsync merge --quantize fp8: quantized once per block on the trainers); --engine hf; "
                              "docs/merge.md")
-    parser.add_argument("--secret-file", type=Path, default=None,
+    parser.add_argument("--secret-file", type=absolute_path, default=None,
                         help="file holding the HMAC key that authenticates every bucket (>= 16 bytes, not group/"
                              "world-writable; default: $WEIGHTSYNC_SECRET_FILE, else a fresh random key per run)")
     parser.add_argument("--no-check-finite", dest="check_finite", action="store_false",
@@ -32,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(repeat for several; default: start --engines local servers). docs/vllm.md")
     parser.add_argument("--vllm-api-key", default=None, metavar="KEY",
                         help="the servers' --api-key (default: $VLLM_API_KEY)")
-    parser.add_argument("--digests", type=Path, default=None, metavar="FILE",
+    parser.add_argument("--digests", type=absolute_path, default=None, metavar="FILE",
                         help="after each version write every engine's per-tensor xxh3_64 digests of the weights it "
                              "serves to FILE (JSON; --engine hf; docs/operations.md)")
     add_common_arguments(parser, versions=1)
@@ -54,7 +61,7 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, versions: int) -> N
                         help=f"bucket size in bytes (default {defaults.SMALL_MODEL_BUCKET_BYTES >> 20} MiB)")
     parser.add_argument("--timeout", type=float, default=defaults.TIMEOUT_S,
                         help=f"per-step timeout, seconds (default {defaults.TIMEOUT_S:g})")
-    parser.add_argument("--json", type=Path, default=None, help="write the results as JSON to this path")
+    parser.add_argument("--json", type=absolute_path, default=None, help="write the results as JSON to this path")
     parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                         help="serve Prometheus metrics on 127.0.0.1:PORT/metrics while the run lasts (0: a free port)")
     add_version_arguments(parser)

@@ -240,3 +240,50 @@ def test_a_tmpdir_too_long_is_refused_before_ray_and_before_the_table(files, tmp
           f"TMPDIR {tmp_path} ({len(str(tmp_path))} bytes) is too long for Ray's socket paths",
           f"set TMPDIR to a directory of at most {room} bytes, e.g. /tmp")
     assert list(tmp_path.iterdir()) == [], "the refused run made directories under TMPDIR"
+
+
+PATH_FLAGS = {"sync": {"--base", "--adapter", "--engine-base", "--secret-file", "--digests", "--json"},
+              "demo": {"--cache-dir", "--png", "--json"}, "run": {"--config", "--json"},
+              "bench": {"--cache-dir", "--json", "--plot", "--link-driver"}}
+
+
+def test_every_path_flag_is_made_absolute_when_parsed(tmp_path, monkeypatch):
+    """Ray workers and a ``vllm serve`` started in its own directory read paths from another working directory:
+    ``sync --engine vllm-server --base qwen-base`` (relative) passed the preflight, then the server read it as a
+    Hub repo name and failed 92 s later."""
+    import argparse
+
+    from sync_service.entrypoints.sync_args import absolute_path
+
+    monkeypatch.chdir(tmp_path)
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for command, flags in PATH_FLAGS.items():
+        actions = sub.choices[command]._actions
+        assert not [a.dest for a in actions if a.type is Path], f"{command}: a path flag kept relative"
+        assert {a.option_strings[0] for a in actions if a.type is absolute_path} == flags, command
+    args = parser.parse_args(["sync", "--base", "qwen-base", "--adapter", "./lora", "--engine-base", "~/x"])
+    assert (args.base, args.adapter, args.engine_base) == (tmp_path / "qwen-base", tmp_path / "lora",
+                                                           Path.home() / "x")
+
+
+def test_relative_paths_reach_the_runner_absolute(files, monkeypatch, capsys):
+    """``sync`` and ``run`` with relative model paths, from the directory holding them: the preflight passes and
+    the runner (which hands them to Ray workers / servers) gets absolute paths; a ``run`` on a cluster
+    (``--address``) refuses a relative model path, which each node would read from its own directory."""
+    import yaml
+
+    from sync_service.entrypoints import run_cli, sync_cli
+
+    seen = {}
+    monkeypatch.setattr(sync_cli, "execute_engine", lambda cfg, extra, launcher: seen.update(sync=cfg) or 0)
+    monkeypatch.setattr(run_cli, "execute", lambda cfg, *a, **k: seen.update(run=cfg) or 0)
+    monkeypatch.chdir(files["root"])
+    assert main(["sync", "--base", "base", "--adapter", "lora"]) == 0, capsys.readouterr().err
+    assert (seen["sync"].base, seen["sync"].adapter) == (files["base"], files["lora"])
+    Path("run.yaml").write_text(yaml.safe_dump({"model": {"base": "base", "adapter": "lora"}, "trainers": {"ep": 1},
+                                                "engines": {"count": 1}, "run": {"versions": 1}}))
+    assert main(["run", "--config", "run.yaml"]) == 0, capsys.readouterr().err
+    assert (seen["run"].model.base, seen["run"].model.adapter) == (files["base"], files["lora"])
+    fails(capsys, ["run", "--config", "run.yaml", "--address", "ray://head:10001"],
+          f"{files['root'] / 'run.yaml'}: model.base base is relative", "give an absolute path")
