@@ -3,9 +3,13 @@
     python -m sync_service.bench.gpu_check --device cuda [--size 4G]     # on a GPU machine (H200)
     python -m sync_service.bench.gpu_check --device cpu                  # the same functions on CPU
 
-Prints ``check N name: figure PASS|FAIL`` per check and exits 1 on any FAIL. Needs neither Ray nor vLLM
-(the GPU machine has neither): processes are started with ``torch.multiprocessing`` (spawn) and the
-endpoints are driven directly, as the coordinator would drive them through Ray.
+Prints ``check N name: figure PASS|FAIL`` per check as each finishes and exits 1 on any FAIL. Needs neither Ray
+nor vLLM (the GPU machine has neither, and nothing is installed there): processes are started with
+``torch.multiprocessing`` (spawn) and the endpoints are driven directly, as the coordinator would drive them
+through Ray. Each check runs in a process of its own under ``--check-timeout`` (default 180 s; its whole process
+group is killed past it and the check is a FAIL line saying so), so one hung check cannot hold the device's
+15 minutes; the default order runs the slowest (3, two processes and PEFT merges) last. ``--checks 2,1`` picks
+checks and their order. A lent device runs it once with a timeout that leaves room for a rerun of what failed.
 
 1. ``merge_pack``: ``MergedSource.fill`` of a bf16 expert set (fused gate_up / down, LoRA on both) packed
    into device buckets (``pack_bucket``), GB/s against a device-to-device copy of the same bytes; goal >= 0.5.
@@ -19,6 +23,9 @@ endpoints are driven directly, as the coordinator would drive them through Ray.
 from __future__ import annotations
 
 import argparse
+import os
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -215,21 +222,62 @@ def parse_size(text: str) -> int:
         raise ValueError(f"--size={text!r}: give bytes or a number with K, M or G (e.g. 4G)") from None
 
 
+DEFAULT_ORDER = "1,2,4,3"
+"""The slowest check (3) last: a timed-out run still printed the other three."""
+
+
+def _run_isolated(number: int, args, workdir: Path) -> CheckResult:
+    """Check ``number`` in a child process (its own session) under ``args.check_timeout`` seconds; past it the
+    child's whole process group is killed and the check is a FAIL line naming the timeout."""
+    cmd = [sys.executable, "-m", "sync_service.bench.gpu_check", "--device", args.device, "--checks", str(number),
+           "--in-process", "--workdir", str(workdir)] + (["--size", args.size] if args.size else [])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=args.check_timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return CheckResult(number, CHECKS[number].__name__.removeprefix("check_"),
+                           f"timed out after {args.check_timeout:g} s (--check-timeout; process group killed)", False)
+    line = next((ln for ln in out.splitlines() if ln.startswith(f"check {number} ")), None)
+    if line is None:
+        last = (err.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        return CheckResult(number, CHECKS[number].__name__.removeprefix("check_"), f"error: {last[:300]}", False)
+    figure, verdict = line.split(": ", 1)[1].rsplit(" ", 1)
+    return CheckResult(number, CHECKS[number].__name__.removeprefix("check_"), figure, verdict == "PASS")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--size", default=None, help="bytes for checks 1-2 (default 4G on CUDA, 32M on CPU)")
-    parser.add_argument("--checks", default="1,2,3,4", help="comma-separated check numbers")
+    parser.add_argument("--checks", default=DEFAULT_ORDER,
+                        help=f"comma-separated check numbers, run in this order (default {DEFAULT_ORDER}: the slowest last)")
+    parser.add_argument("--check-timeout", type=float, default=180.0,
+                        help="seconds per check; past it the check's processes are killed and it is a FAIL (default 180)")
+    parser.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print(f"--device={args.device}: no CUDA device here; use --device cpu", file=sys.stderr)
         return 2
-    size = parse_size(args.size or ("4G" if args.device.startswith("cuda") else "32M"))
+    try:
+        numbers = [int(n) for n in args.checks.split(",")]
+        if not numbers or any(n not in CHECKS for n in numbers):
+            raise ValueError
+        size = parse_size(args.size or ("4G" if args.device.startswith("cuda") else "32M"))
+    except ValueError as exc:
+        print(str(exc) if str(exc) else f"--checks={args.checks!r}: give check numbers from {sorted(CHECKS)}, e.g. 2,1",
+              file=sys.stderr)
+        return 2
     failed = False
     with tempfile.TemporaryDirectory(prefix="weightsync-gpu-check-") as tmp:
-        cfg = CheckConfig(device=args.device, size_bytes=size, workdir=Path(tmp))
-        for number in (int(n) for n in args.checks.split(",")):
-            result = run_check(number, cfg)
+        workdir = Path(args.workdir or tmp)
+        for number in numbers:
+            if args.in_process:
+                result = run_check(number, CheckConfig(device=args.device, size_bytes=size, workdir=workdir))
+            else:
+                result = _run_isolated(number, args, workdir)
             print(result.line(), flush=True)
             failed |= not result.passed
     return 1 if failed else 0
