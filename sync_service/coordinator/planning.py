@@ -33,6 +33,7 @@ from protocols.params import DTYPE_BYTES, MERGE_DTYPES, ParamMeta, box_numel
 from protocols.wire import MAX_HEADER_BYTES, MAX_PLAN_ENTRIES, SyncPlan, encode
 from sync_service.fp8 import FP8_WIRE, box_aligned, scale_meta, scale_name, table_blocks, table_scale_dtypes
 from sync_service.streaming.plan import build_plan, combine_plans, plan_entries, smallest_bucket_bytes
+from sync_service.coordinator.tiling import TrainerMeshError, check_tiling  # noqa: F401 (re-exported)
 
 __all__ = ["BlockAlignmentError", "DtypeConflictError", "PlanMismatchError", "build_sync_plan", "check_plan_size",
            "engine_dtypes", "scale_companions", "validate_plan", "with_scales"]
@@ -167,9 +168,12 @@ def engine_dtypes(owned: Sequence[Sequence[ParamMeta]], tables: Mapping[str, Seq
         ``(owned with the engines' dtypes, {(from, to): number of tensors converted})``.
 
     Raises:
+        TrainerMeshError: the trainer ranks' boxes of a tensor do not tile it (ranks on different meshes;
+            ``tiling.check_tiling``), checked first: before an engine's table is compared with them.
         DtypeConflictError: a tensor the engines hold in two or more dtypes, naming it, the engines and the dtypes.
         BlockAlignmentError: a box of an FP8 tensor off the block edges.
     """
+    check_tiling(owned)
     held: dict[str, dict[str, str]] = defaultdict(dict)  # tensor → engine → dtype
     for engine, table in tables.items():
         for m in table:
