@@ -56,8 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base", required=True, help="base checkpoint directory (config.json + *.safetensors; a block-FP8 "
                                                       "one is dequantized, merged, requantized), or a "
                                                       "torch.distributed.checkpoint directory with its config.json (docs/merge.md)")
-    parser.add_argument("--adapter", required=True, help="PEFT LoRA adapter directory (adapter_config.json + adapter_model"
-                                                         ".safetensors), or a DCP directory of the PEFT model (docs/merge.md)")
+    parser.add_argument("--adapter", default=None, help="PEFT LoRA adapter directory (adapter_config.json + adapter_model"
+                                                        ".safetensors), or a DCP directory of the PEFT model (docs/merge.md); "
+                                                        "without it the base itself is written (with --quantize fp8: an FP8 "
+                                                        "copy of the base; with --dtype: cast)")
     parser.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
     parser.add_argument("--target", default="hf", choices=sorted(TARGETS), help="output naming (default: hf, as save_pretrained)")
     parser.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"], help="output dtype (default: the base's; with --quantize, of the tensors left unquantized: bfloat16)")
@@ -94,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         fp8 = Fp8Options(weight_block_size=args.weight_block_size or (128, 128), scale_fmt=args.scale_fmt or "float")
     try:
         with tempfile.TemporaryDirectory(prefix="wsync-dcp", dir=run_root()) as tmp:
-            base, adapter = resolve_inputs(Path(args.base), Path(args.adapter), Path(tmp))
+            base, adapter = resolve_inputs(Path(args.base), None if args.adapter is None else Path(args.adapter), Path(tmp))
             summary = merge_checkpoint(
                 base, adapter, args.out, target=args.target, dtype=args.dtype,
                 max_shard_bytes=args.max_shard_size, staging_bytes=args.staging_size,
@@ -104,5 +106,26 @@ def run(args: argparse.Namespace) -> int:
     except MergeError as exc:
         print(f"weightsync merge: error: {exc}", file=sys.stderr)
         return 2
+    if "quantized" in summary:
+        print(fp8_report(summary, fp8.weight_block_size if fp8 else (128, 128)), file=sys.stderr)
     print(json.dumps(summary))
     return 0
+
+
+def fp8_report(summary: dict, block: tuple[int, int]) -> str:
+    """What ``--quantize fp8`` did, for stderr: how many weights became FP8 of those transformers quantizes, and a
+    warning naming an unquantized one and a block that divides them all when the block leaves most of them out.
+
+    ``summary``: ``merge_checkpoint``'s (``quantized``, ``quantizable``, ``unquantized``)."""
+    done, of = summary["quantized"], summary["quantizable"]
+    size = ",".join(map(str, block))
+    line = (f"weightsync merge: --quantize fp8: {done} of {of} weights transformers quantizes are FP8 "
+            f"(--weight-block-size {size})")
+    left = summary.get("unquantized")
+    if left is None:
+        return line
+    line += (f"; the other {of - done} stay {left['dtype']}: the block does not divide "
+             f"their last two dims (e.g. {left['example']})")
+    if 2 * done < of:
+        line += f"\nweightsync merge: warning: the block leaves most weights unquantized; --weight-block-size {left['block_hint']} divides them all"
+    return line

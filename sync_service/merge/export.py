@@ -34,6 +34,7 @@ from sync_service.merge.fp8_base import open_base
 from sync_service.merge.inputs import read_json_object, read_safetensors
 from sync_service.merge.source import MergeConfig, MergedSource
 from sync_service.merge.targets import TARGETS, Piece, target_pieces
+from sync_service.merge.terms import LoraAdapter
 from sync_service.merge.vocab import ResizedBase, plan_resize
 
 COPIED_FILES = (  # non-weight files of a model directory, copied to the output when present
@@ -122,12 +123,12 @@ def _resized(base: SafetensorsBase, adapter_dir: Path):
     return ResizedBase(base, resize) if resize else base
 
 
-def _open_base(base_dir: Path, adapter_dir: Path, dtype: str | None, quantize: str | None):
+def _open_base(base_dir: Path, adapter_dir: Path | None, dtype: str | None, quantize: str | None):
     """The merge's base (``fp8_base.open_base``: a block-FP8 one reads dequantized; ``_resized``) and output dtype:
     ``dtype``, else bfloat16 with ``quantize``, else a block-FP8 base's ``dequantized_dtype``, else ``None``."""
     checkpoint = open_base(base_dir)
     dtype = dtype or ("bfloat16" if quantize else getattr(checkpoint, "dequantized_dtype", None))
-    return _resized(checkpoint, adapter_dir), dtype
+    return (checkpoint if adapter_dir is None else _resized(checkpoint, adapter_dir)), dtype
 
 
 def _vocab_size(base) -> int | None:
@@ -184,7 +185,7 @@ def _check_arguments(target: str, dtype: str | None, max_shard_bytes: int, stagi
 
 def merge_checkpoint(
     base_dir: str | Path,
-    adapter_dir: str | Path,
+    adapter_dir: str | Path | None,
     out_dir: str | Path,
     *,
     target: str = "hf",
@@ -203,6 +204,7 @@ def merge_checkpoint(
     on a resized vocabulary, whose embeddings it holds: ``vocab.py``) and the tokenizer/generation files found.
 
     Args:
+        adapter_dir: the PEFT adapter; ``None`` writes the base itself (in ``dtype``, or quantized: an FP8 copy).
         dtype: output dtype name (``"bfloat16"``, ``"float16"``, ``"float32"``); ``None`` keeps the base's
             (with ``quantize``: ``"bfloat16"``, the dtype of the tensors left unquantized, as FP8 checkpoints ship;
             a block-FP8 base, merged dequantized by ``fp8_base.py``: its config's dtype, as transformers loads it).
@@ -216,7 +218,9 @@ def merge_checkpoint(
         ``{"tensors": n, "bytes": total, "shards": k, "seconds": t, "setup_seconds": t0, "changed": c}``:
         ``tensors`` and ``changed`` count tensors as written to disk (``changed``: those the adapter
         alters, e.g. every per-expert key of a fused expert tensor with LoRA; ``tensors`` counts FP8 scales
-        too, and a quantized merge adds ``"quantized"``: the FP8 weights written); ``seconds`` is the whole
+        too, and a quantized merge adds ``"quantized"``: the FP8 weights written, ``"quantizable"``: the weights
+        of the modules transformers quantizes, of which the block divides ``"quantized"``, and ``"unquantized"``:
+        ``{"example": "name [shape]", "block_hint": "r,c", "dtype": their dtype}`` when some are left unquantized); ``seconds`` is the whole
         call, ``setup_seconds`` its validation and adapter loading (which imports PEFT, seconds on a
         cold start) before the first shard is merged.
 
@@ -225,12 +229,14 @@ def merge_checkpoint(
             or ±Inf (also an overflow of ``dtype``); nothing is left at ``out_dir`` then.
     """
     t0 = time.perf_counter()
-    base_dir, adapter_dir, out_dir = Path(base_dir), Path(adapter_dir), Path(out_dir)
+    base_dir, out_dir = Path(base_dir), Path(out_dir)
+    adapter_dir = None if adapter_dir is None else Path(adapter_dir)
     _check_arguments(target, dtype, max_shard_bytes, staging_bytes, out_dir)
     check_quantize(quantize, fp8)
     fp8 = (fp8 or Fp8Options()) if quantize else None
     base, dtype = _open_base(base_dir, adapter_dir, dtype, quantize)
-    adapter = load_adapter(adapter_dir, base.layout, base.metas(), tied_aliases=base.tied_aliases)
+    adapter = (LoraAdapter() if adapter_dir is None  # the base as is: cast, or an FP8 copy with quantize
+               else load_adapter(adapter_dir, base.layout, base.metas(), tied_aliases=base.tied_aliases))
     quantized = quantized_names(base.config, fp8) if fp8 else frozenset()
     config = MergeConfig(out_dtype=dtype, staging_bytes=staging_bytes, check_finite=True, accumulate_dtype=accumulate_dtype,
                          out_dtypes={name: accumulate_dtype for name in quantized})
@@ -253,13 +259,29 @@ def _check_something_quantized(writer, shards: list[list[tuple[str, Piece]]], fp
     if not pieces:
         raise MergeError("--quantize fp8: transformers quantizes no tensor of this model (no nn.Linear / FP8 "
                          "experts it replaces); nothing would be FP8 — merge without --quantize")
-    common = math.gcd(*(d for _, p in pieces for d in p.shape[-2:]))
-    side = min(128, common & -common)  # the largest power of two dividing every such dim
     block = ",".join(map(str, fp8.weight_block_size))
-    name, piece = pieces[0]
+    piece = pieces[0][1]
     raise MergeError(f"--quantize fp8: --weight-block-size {block} divides none of the tensors transformers quantizes "
                      f"(e.g. {piece.name} {list(piece.shape)}); nothing would be FP8 — pass a block that divides them, "
-                     f"e.g. --weight-block-size {side},{side}")
+                     f"e.g. --weight-block-size {_block_hint(pieces)}")
+
+
+def _block_hint(pieces: list[tuple[str, Piece]]) -> str:
+    """``"s,s"``: the largest power-of-two square block (at most 128) that divides the last two dims of every piece."""
+    common = math.gcd(*(d for _, p in pieces for d in p.shape[-2:]))
+    side = min(128, common & -common)
+    return f"{side},{side}"
+
+
+def _fp8_counts(writer, pieces: list[tuple[str, Piece]]) -> dict:
+    """The summary's ``quantizable`` / ``unquantized`` of a quantized merge (``merge_checkpoint``)."""
+    quantizable = [(n, p) for n, p in pieces if n in writer.quantized]
+    left = [(n, p) for n, p in quantizable if len(writer.outputs(n, p)) == 1]
+    out = {"quantizable": len(quantizable)}
+    if left:
+        out["unquantized"] = {"example": f"{left[0][1].name} {list(left[0][1].shape)}", "block_hint": _block_hint(quantizable),
+                              "dtype": str(writer.plain_dtype).removeprefix("torch.")}
+    return out
 
 
 def _summary(source: MergedSource, writer, shards: list[list[tuple[str, Piece]]], total: int, seconds: float,
@@ -268,7 +290,7 @@ def _summary(source: MergedSource, writer, shards: list[list[tuple[str, Piece]]]
     summary = {"tensors": sum(len(writer.outputs(n, p)) for n, p in pieces), "bytes": total, "shards": len(shards),
                "seconds": seconds, "setup_seconds": setup_s,
                "changed": sum(source.touches(name, piece.box) for name, piece in pieces)}
-    return summary | ({"quantized": writer.quantized_pieces} if isinstance(writer, Fp8Writer) else {})
+    return summary | ({"quantized": writer.quantized_pieces, **_fp8_counts(writer, pieces)} if isinstance(writer, Fp8Writer) else {})
 
 
 def _write_output(source: MergedSource, writer, target: str, shards: list[list[tuple[str, Piece]]], base_dir: Path,
