@@ -8,12 +8,10 @@ Key forms (``base_model.model.`` prefix stripped, adapter name already dropped b
   (``ParamWrapper``), and so does this module. DoRA adds ``<module>.lora_magnitude_vector`` [out].
 - embedding: ``<module>.lora_embedding_A`` [r, V], ``<module>.lora_embedding_B`` [H, r]; ΔW = s·(B@A)ᵀ.
 - ``target_parameters`` on 3D experts: ``<experts>(.base_layer)*k.lora_{A,B}.weight``; the targeted
-  parameters nest in registration order, the first innermost (most ``base_layer``s).
-  A [r·E, in] rows expert-major (e·r + k), B [out, r·E] columns rank-major (k·E + e):
-  Δ[e] = s · B.reshape(out, r, E)[:, :, e] @ A.reshape(E, r, in)[e]. in/out per PEFT: for [E, d1, d2]
-  stored [out, in] per expert (not ``is_transposed``; PEFT reads the experts module's flag, absent = False,
-  so llama4's [in, out] experts are packed as [d1, d2] too) out = d1, in = d2; for ``is_transposed``
-  (gpt_oss) in = d1, out = d2 and the stored Δ[e] is the transpose.
+  parameters nest in registration order, the first innermost (most ``base_layer``s); a
+  ``FamilyLayout.weight_experts`` module's one ``weight``: ``<module>.lora_{A,B}.weight``. Factor packing
+  and orientation (PEFT reads ``is_transposed``, absent = False, so llama4's [in, out] experts are packed as
+  [d1, d2] too): ``param_wrapper``.
 - legacy per-expert: ``<experts>.N.<gate_proj|up_proj|down_proj|w1|w3|w2>.lora_{A,B}.weight`` trained on
   a pre-fusion model; applied exactly per expert with the adapter's own r and α (rsLoRA honoured).
 - anything else without ``lora_``: a modules_to_save copy replacing the base tensor of that name.
@@ -21,7 +19,6 @@ Key forms (``base_model.model.`` prefix stripped, adapter name already dropped b
 
 from __future__ import annotations
 
-import math
 import re
 from collections import defaultdict
 
@@ -33,43 +30,14 @@ from sync_service.merge.adapter_tokens import TOKENS_DELTA, add_token_rows
 from sync_service.merge.errors import MergeError
 from sync_service.merge.finite import all_finite
 from sync_service.merge.layouts import FamilyLayout
+from sync_service.merge.lora_scaling import scaling as _scaling
+from sync_service.merge.param_wrapper import expert_factors
 from sync_service.merge.targets import target_pieces
 from sync_service.merge.terms import LoraAdapter, LoraTerm, sel_len
 
 _PREFIX = "base_model.model."
 _LORA_PARTS = ("lora_A.weight", "lora_B.weight", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
 _NON_LORA = ("hada_", "lokr_", "ia3_", "oft_", "boft_", "vera_", "fourierft_", "lora_E", "ranknum")
-
-
-def _scaling(config, key: str) -> tuple[int, float]:
-    """(r, s) of a PEFT module key, with rank_pattern / alpha_pattern (PEFT ``get_pattern_key``)."""
-    from peft.utils.other import get_pattern_key
-
-    r = config.rank_pattern.get(get_pattern_key(config.rank_pattern.keys(), key), config.r)
-    alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), key), config.lora_alpha)
-    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-        raise MergeError(f"adapter module {key}: r must be a positive int, got {r!r}; fix r / rank_pattern in the adapter_config")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not _finite(alpha):
-        raise MergeError(f"adapter module {key}: lora_alpha must be a finite number, got {alpha!r}; "
-                         f"fix lora_alpha / alpha_pattern in the adapter_config")
-    s = float(alpha) / (math.sqrt(r) if config.use_rslora else r)
-    if abs(s) > MAX_SCALING:  # the merge's addmm_(alpha=s) takes a float32 scalar
-        rule = f"lora_alpha / sqrt(r) = {float(alpha):g} / sqrt({r})" if config.use_rslora else f"lora_alpha / r = {float(alpha):g} / {r}"
-        raise MergeError(f"adapter module {key}: scaling {rule} = {s:g} overflows float32, in which the merge applies "
-                         f"it (|scaling| <= {MAX_SCALING:.4g}); fix lora_alpha / alpha_pattern in the adapter_config")
-    return r, s
-
-
-MAX_SCALING = float(torch.finfo(torch.float32).max)
-"""Largest |lora_alpha / r| merged: the merge applies it as a float32 scalar (``staging.apply_parts``)."""
-
-
-def _finite(v: int | float) -> bool:
-    """``v`` is a finite number that converts to float (an int past ~1.8e308 does not)."""
-    try:
-        return math.isfinite(v)
-    except OverflowError:
-        return False
 
 
 def _wrapper_copy(name: str, names: set[str]) -> bool:
@@ -177,6 +145,8 @@ class _Ctx:
         if stripped != self.layout.from_disk(module) or re.search(rf"(^|\.){re.escape(self.layout.experts_module)}$", stripped):
             return self.target_parameter(module, stripped, parts)
         target = self.resolve(module + ".weight")
+        if target is not None and self.layout.is_weight_expert(target):
+            return self.weight_expert(module, target, parts)
         if target is not None:
             self.check_targeted(module)
             return self.dense(module, target, parts)
@@ -300,12 +270,16 @@ class _Ctx:
         _check_float_base(module, self.metas[target])
         return self.metas[target]
 
-    def target_parameter(self, module: str, experts: str, parts: dict[str, torch.Tensor]) -> None:
+    def refuse_wrapper_options(self, module: str, parts: dict[str, torch.Tensor]) -> None:
+        """DoRA and ``fan_in_fan_out``, which PEFT's ``ParamWrapper`` refuses, are refused here too."""
         if "lora_magnitude_vector" in parts:
             raise MergeError(f"adapter module {module}: DoRA is not defined for target_parameters (PEFT ParamWrapper)")
         if getattr(self.config, "fan_in_fan_out", False):
             raise MergeError(f"adapter module {module}: adapter_config fan_in_fan_out=true does not work with "
                              f"target_parameters (PEFT's ParamWrapper refuses it too); set fan_in_fan_out to false")
+
+    def target_parameter(self, module: str, experts: str, parts: dict[str, torch.Tensor]) -> None:
+        self.refuse_wrapper_options(module, parts)
         lay = self.layout
         targets = list(getattr(self.config, "target_parameters", None) or [])
         chosen = [p for p in lay.expert_params if self.by_parameter(f"{experts}.{p}")]
@@ -317,21 +291,28 @@ class _Ctx:
             )
         param = chosen[len(chosen) - 1 - depth]
         key = f"{experts}.{param}"
-        meta = self._experts_meta(module, key)
-        num_experts, d1, d2 = meta.shape
+        self.expert_term(module, param, key, self._experts_meta(module, key), parts, lay.peft_transposed)
+
+    def weight_expert(self, module: str, target: str, parts: dict[str, torch.Tensor]) -> None:
+        """LoRA on the 3D ``weight`` of a ``FamilyLayout.weight_experts`` module (``target_parameters``; the
+        module has no ``is_transposed``)."""
+        key = module + ".weight"
+        if not self.by_parameter(key):
+            raise MergeError(f"adapter module {module} has LoRA weights but adapter_config target_parameters "
+                             f"{getattr(self.config, 'target_parameters', None)!r} does not select {key}; the config "
+                             f"does not describe these weights")
+        self.refuse_wrapper_options(module, parts)
+        self.expert_term(module, "weight", key, self._experts_meta(module, target), parts, False)
+
+    def expert_term(self, module: str, param: str, key: str, meta: ParamMeta, parts: dict[str, torch.Tensor],
+                    peft_transposed: bool) -> None:
+        """One ``LoraTerm`` over every expert of 3D ``meta`` from PEFT ``ParamWrapper`` factors (param_wrapper)."""
         a, b = _check_pair(module, parts, "lora_A.weight", "lora_B.weight", self.out.derived)
         r, s = _scaling(self.config, key)
-        in_f, out_f = (d1, d2) if lay.peft_transposed else (d2, d1)  # PEFT reads the module's is_transposed
-        if tuple(a.shape) != (r * num_experts, in_f) or tuple(b.shape) != (out_f, r * num_experts):
-            raise MergeError(
-                f"adapter module {module} ({param}): A {list(a.shape)}, B {list(b.shape)} do not fit base "
-                f"{meta.name} {list(meta.shape)} with r={r}: expected A [{r * num_experts}, {in_f}], B [{out_f}, {r * num_experts}]"
-            )
-        a_e = a.reshape(num_experts, r, in_f)  # [E, r, in]
-        b_e = b.reshape(out_f, r, num_experts).permute(2, 0, 1)  # [E, out, r]
-        x, y = (a_e.transpose(1, 2), b_e.transpose(1, 2)) if lay.peft_transposed else (b_e, a_e)
+        x, y = expert_factors(module, param, meta, a, b, r, peft_transposed)
         # per-expert contiguous copies of the (small) factors: baddbmm_ runs ~15-30% faster on them
         x, y = (_derive(t.contiguous(), t, self.out.derived) for t in (x, y))
+        num_experts, d1, d2 = meta.shape
         self.add(meta.name, LoraTerm((0, num_experts), (0, d1, 1), (0, d2, 1), x, y, s))
 
     def legacy(self, module: str, prefix: str, expert: int, per_expert: str, parts: dict[str, torch.Tensor]) -> None:

@@ -136,9 +136,10 @@ def _memory_row(family: str, modules: list[tuple[str, torch.nn.Module]]) -> dict
     if len(paths) != 1:
         raise MergeError(f"model family {family}: experts at several paths {sorted(paths)}")
     row: dict = dict(experts_module=paths.pop(), expert_params=params)
-    if cls in HAND_ROWS:
+    flagged = hasattr(module, "is_transposed") and hasattr(module, "is_concatenated")
+    if cls in HAND_ROWS and not flagged:  # a release that adds the flags derives the row instead
         return row | HAND_ROWS[cls] | dict(source="hand")
-    if not hasattr(module, "is_transposed") or not hasattr(module, "is_concatenated"):
+    if not flagged:
         raise MergeError(f"model family {family}: experts class {cls} has no is_transposed / is_concatenated "
                          f"(not a use_experts_implementation class) and no hand-written row")
     apply_gate = getattr(type(module), "_apply_gate", None)
@@ -148,6 +149,44 @@ def _memory_row(family: str, modules: list[tuple[str, torch.nn.Module]]) -> dict
     return row | dict(orientation="in_out" if module.is_transposed else "out_in",
                       gate_up_order="concat" if module.is_concatenated else "interleaved",
                       peft_transposed=bool(module.is_transposed))
+
+
+def _holds_one_weight(module: torch.nn.Module) -> bool:
+    """An experts module of one 3D ``weight`` and no ``is_transposed`` flag (jetmoe's ``JetMoeParallelExperts``,
+    ``F.linear(x, weight[e])``): PEFT's ``ParamWrapper`` reads it as [E, out, in]."""
+    params = dict(module.named_parameters(recurse=False))
+    return list(params) == ["weight"] and params["weight"].dim() == 3 and not hasattr(module, "is_transposed")
+
+
+def _weight_experts_layout(model, family: str, model_types: tuple[str, ...], modules) -> FamilyLayout:
+    """The row of a family whose experts modules each hold one 3D ``weight`` (``FamilyLayout.weight_experts``):
+    transformers' renamings of them, verified on distinct-valued probes through ``revert_weight_conversion``
+    (what ``save_pretrained`` writes must be each probe, unchanged, under ``to_disk`` of its name).
+
+    Raises:
+        MergeError: transformers converts these tensors (not only renames them), or writes them otherwise.
+    """
+    from transformers.core_model_loading import revert_weight_conversion
+
+    paths = tuple(sorted({_experts_module_path(family, n) for n, _ in modules}))
+    suffixes = tuple(f".{p}.weight" for p in paths)
+    renames, _ = _conversions(model, family, lambda n: n.endswith(suffixes))
+    layout = FamilyLayout(family=family, model_types=model_types, expert_params=(), disk="fused",
+                          disk_renames=renames, weight_experts=paths)
+    probes, start = {}, 0
+    for name, module in modules:
+        shape = (_PROBE_E, _PROBE_I, _PROBE_H)
+        probes[f"{name}.weight"] = torch.arange(start, start + _PROBE_E * _PROBE_I * _PROBE_H,
+                                                dtype=torch.float64).reshape(shape)
+        module.weight = torch.nn.Parameter(torch.empty(shape, device="meta"), requires_grad=False)
+        start += _PROBE_E * _PROBE_I * _PROBE_H
+    disk = revert_weight_conversion(model, dict(probes))
+    want = {layout.to_disk(n): v for n, v in probes.items()}
+    if disk.keys() != want.keys() or any(not torch.equal(disk[k], v) for k, v in want.items()):
+        raise MergeError(f"model family {family}: transformers' save_pretrained does not write the experts' "
+                         f"3D weights of {paths[0]} as held in memory (keys {sorted(disk)[:4]}); the merge core "
+                         f"cannot express it")
+    return layout
 
 
 def _probe_shape(param: str, ndim: int, orientation: str) -> tuple[int, ...]:
@@ -258,6 +297,8 @@ def derive_layout_of(config) -> FamilyLayout:
     if not modules:
         raise MergeError(f"model family {family}: no experts module with 3D parameters (a dense model needs no "
                          f"layout row, but the merge core serves MoE families only)")
+    if all(_holds_one_weight(m) for _, m in modules):
+        return _weight_experts_layout(model, family, model_types, modules)
     row = dict(family=family, model_types=model_types) | _memory_row(family, modules)
     expert_suffixes = tuple(f"{row['experts_module']}.{p}" for p in row["expert_params"])
     renames, by_shape = _conversions(model, family, lambda n: n.endswith(expert_suffixes))

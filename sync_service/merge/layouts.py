@@ -58,6 +58,11 @@ class FamilyLayout:
             ``False`` it packs ``target_parameters`` factors as if each expert were [out, in] =
             [d1, d2], whatever the real orientation (llama4).
         tied_alias: ``(alias, kept)`` name suffixes of tied embeddings: the alias is not stored.
+        weight_experts: in-memory paths (inside a decoder layer) of experts modules that hold one 3D
+            ``weight`` [E, out, in] and no ``is_transposed`` flag instead of ``gate_up_proj`` / ``down_proj``
+            (jetmoe's ``JetMoeParallelExperts``: ``mlp.input_linear``, ``mlp.output_linear`` and its attention
+            experts); a family of these has no ``expert_params``. Stored as in memory (``disk_renames`` only);
+            PEFT's ``ParamWrapper`` packs their ``target_parameters`` factors as [out, in] per expert.
         source: ``"derived"`` or ``"hand"`` (a ``HAND_ROWS`` row).
     """
 
@@ -75,7 +80,12 @@ class FamilyLayout:
     per_expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     peft_transposed: bool = False
     tied_alias: tuple[str, str] = ("lm_head.weight", "embed_tokens.weight")
+    weight_experts: tuple[str, ...] = ()
     source: Literal["derived", "hand"] = "derived"
+
+    def is_weight_expert(self, name: str) -> bool:
+        """``name`` (in-memory) is the 3D ``weight`` of one of ``weight_experts`` (``….layers.N.<path>.weight``)."""
+        return any(re.search(rf"(^|\.)layers\.\d+\.{re.escape(path)}\.weight$", name) for path in self.weight_experts)
 
     def slot_param(self, slot: Slot) -> str:
         """The fused parameter holding a slot: gate/up → ``gate_up``, down → ``down``."""
@@ -137,6 +147,10 @@ HAND_ROWS: dict[str, dict] = {
     # [E, H, 2I] per expert [in, out], gate block first. transformers has no conversion for llama4:
     # stored fused on disk as in memory. PEFT reads no is_transposed either (peft_transposed=False).
     "Llama4TextExperts": dict(orientation="in_out", gate_up_order="concat", peft_transposed=False),
+    # LongcatFlashExperts before transformers 5.20 is not decorated with use_experts_implementation (later
+    # releases are, and derive the same row): its forward is F.linear(x, gate_up_proj[e]).chunk(2, dim=-1),
+    # [E, 2I, H] per expert [out, in], gate block first. PEFT reads no is_transposed (peft_transposed=False).
+    "LongcatFlashExperts": dict(orientation="out_in", gate_up_order="concat", peft_transposed=False),
 }
 
 # Experts classes that override transformers' default ``_apply_gate`` (gate, up = chunk(2, -1)) and whose

@@ -12,14 +12,20 @@ and image-text-to-text classes whose config names routed experts):
 Verdicts: ``supported`` (every tensor within the bound), ``refused`` (a ``MergeError`` naming the family and
 why, or "transformers cannot build it on CPU at a tiny config: <error>"), ``peft`` (PEFT itself cannot put
 LoRA on it, so there is no oracle), ``untested`` (its tiny config still exceeds ``MAX_PARAMS``: a sub-config
-the census does not shrink) and ``wrong`` (a merge differs from PEFT: a bug, the test fails). Rewrite the README
-table with::
+the census does not shrink) and ``wrong`` (a merge differs from PEFT: a bug, the test fails).
+
+The verdicts of each pinned version set (transformers and peft of ``constraints/cpu.txt``, this machine's
+``.venv``, and of ``constraints/newest.txt``, the ``.venv-newest`` that ``.ci/run`` builds) are recorded in
+``census_verdicts.json``; the README table shows them side by side. Record the installed set's verdicts and
+rewrite the README table, in each venv::
 
     python -m tests.merge.families_census --write
+    .venv-newest/bin/python -m tests.merge.families_census --write
 """
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import tempfile
@@ -31,6 +37,8 @@ import torch
 
 MAX_PARAMS = 5_000_000  # a tiny model; more means a sub-config the census did not shrink
 README = Path(__file__).parents[2] / "README.md"
+RECORDED = Path(__file__).with_name("census_verdicts.json")
+CONSTRAINTS = [Path(__file__).parents[2] / "constraints" / f for f in ("cpu.txt", "newest.txt")]
 BEGIN, END = "<!-- moe-census:begin (python -m tests.merge.families_census --write) -->", "<!-- moe-census:end -->"
 
 
@@ -100,6 +108,7 @@ def _targets(model, experts: list[str], layout) -> tuple[list[str], list[str]]:
                  and re.search(r"\.(self_attn|attention|attn|self_attention)\.", n)
                  and not re.search(r"(gate|up)_proj$", n)]  # gated attention's gate_proj: PEFT maps it to experts
     params = [f"{layout.experts_module}.{p}" for p in layout.expert_params if not p.endswith("bias")]
+    params += [f"{path}.weight" for path in layout.weight_experts]
     return attention, params
 
 
@@ -183,14 +192,48 @@ _SHOWN = {"supported": "✓ merged = PEFT", "refused": "refused", "peft": "no or
           "wrong": "WRONG"}
 
 
-def table(verdicts: list[Verdict]) -> str:
-    """The markdown table (no markers): one row per family."""
+def installed_set() -> str:
+    """The installed transformers and peft, as the census records a version set."""
+    import peft
     import transformers
 
-    lines = [f"| family (transformers {transformers.__version__}) | class | verdict | reason |", "|---|---|---|---|"]
-    for v in verdicts:
-        reason = v.reason.replace("|", "\\|")
-        lines.append(f"| {v.model_type} | `{v.model_class}` | {_SHOWN[v.status]} | {reason} |")
+    return f"transformers {transformers.__version__}, peft {peft.__version__}"
+
+
+def pinned_sets() -> list[str]:
+    """The version sets of ``constraints/cpu.txt`` and ``constraints/newest.txt``, in that order."""
+    sets = []
+    for path in CONSTRAINTS:
+        pins = dict(line.split("==", 1) for line in path.read_text().splitlines() if "==" in line and line[0] != "#")
+        sets.append(f"transformers {pins['transformers'].strip()}, peft {pins['peft'].strip()}")
+    return list(dict.fromkeys(sets))
+
+
+def as_record(verdicts: list[Verdict]) -> dict[str, dict[str, str]]:
+    """model_type → its class, status and reason (what ``census_verdicts.json`` holds per version set)."""
+    return {v.model_type: dict(model_class=v.model_class, status=v.status, reason=v.reason) for v in verdicts}
+
+
+def recorded() -> dict[str, dict[str, dict[str, str]]]:
+    """version set → ``as_record`` of its census, from ``census_verdicts.json``."""
+    return json.loads(RECORDED.read_text()) if RECORDED.exists() else {}
+
+
+def table(sets: dict[str, dict[str, dict[str, str]]]) -> str:
+    """The markdown table (no markers): one row per family, one verdict column per version set."""
+    names = list(sets)
+    lines = ["| family | class | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+    for family in sorted(set().union(*sets.values())):
+        rows = [sets[s].get(family) for s in names]
+        classes = " / ".join(dict.fromkeys(f"`{r['model_class']}`" for r in rows if r))
+        cells = []
+        for r in rows:
+            if r is None:
+                cells.append("not in this release")
+                continue
+            reason = r["reason"].replace("|", "\\|")
+            cells.append(_SHOWN[r["status"]] + (f": {reason}" if reason else ""))
+        lines.append(f"| {family} | {classes} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -199,8 +242,17 @@ def readme_section(text: str) -> str:
     return text[text.index(BEGIN) + len(BEGIN):text.index(END)].strip()
 
 
+def write(verdicts: list[Verdict]) -> dict[str, dict[str, dict[str, str]]]:
+    """Record ``verdicts`` as the installed set's (sets no longer pinned are dropped) and rewrite the README."""
+    sets = recorded() | {installed_set(): as_record(verdicts)}
+    sets = {s: sets[s] for s in pinned_sets() if s in sets}
+    RECORDED.write_text(json.dumps(sets, indent=1, sort_keys=True, ensure_ascii=False) + "\n")
+    text = README.read_text()
+    README.write_text(text[:text.index(BEGIN) + len(BEGIN)] + "\n" + table(sets) + "\n" + text[text.index(END):])
+    return sets
+
+
 if __name__ == "__main__" and "--write" in sys.argv:
     found = census()
-    text = README.read_text()
-    README.write_text(text[:text.index(BEGIN) + len(BEGIN)] + "\n" + table(found) + "\n" + text[text.index(END):])
-    print(f"wrote the MoE census table of {README}: {len(found)} families")
+    write(found)
+    print(f"recorded {len(found)} families of {installed_set()} in {RECORDED.name}; wrote the census table of {README}")

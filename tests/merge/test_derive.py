@@ -91,3 +91,41 @@ def test_underivable_family_is_refused_in_one_line(model_type, why):
     with pytest.raises(MergeError, match=re.escape(why)) as err:
         layout_for(config)
     assert "\n" not in str(err.value)
+
+
+def test_longcat_flash_row_matches_the_experts_forward():
+    """LongcatFlashExperts: the hand row where transformers lacks is_transposed / is_concatenated (< 5.20), else the
+    derived one; either way [E, 2I, H] gate block first, as its forward computes (zero experts past E included)."""
+    from transformers import AutoConfig
+    from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashExperts
+
+    config = AutoConfig.for_model("longcat_flash", hidden_size=8, expert_ffn_hidden_size=6, n_routed_experts=3,
+                                  zero_expert_num=2, num_layers=1)
+    layout = layout_for(config)
+    torch.manual_seed(0)
+    experts = LongcatFlashExperts(config)
+    assert layout.source == ("derived" if hasattr(experts, "is_transposed") else "hand"), layout
+    assert (layout.orientation, layout.gate_up_order, layout.expert_params) == ("out_in", "concat",
+                                                                                ("gate_up_proj", "down_proj"))
+    with torch.no_grad():
+        experts.gate_up_proj.normal_()
+        experts.down_proj.normal_()
+    x, act = torch.randn(4, 8), experts.act_fn
+    for e in range(3):
+        # top-2: expert e with weight 1, a zero (identity) expert with weight 0
+        got = experts(x, torch.tensor([[e, 3]] * 4), torch.tensor([[1.0, 0.0]] * 4))
+        w = experts.gate_up_proj[e]  # out_in: [2I, H]
+        gate, up = (w[slice(*layout.out_selection(s, w.shape[0]))] for s in ("gate", "up"))
+        torch.testing.assert_close(got, (act(x @ gate.T) * (x @ up.T)) @ experts.down_proj[e].T)
+
+
+def test_jetmoe_row_names_its_one_weight_experts():
+    """jetmoe's JetMoeParallelExperts hold one 3D weight each (MLP and attention experts): stored as in memory."""
+    from transformers import AutoConfig
+
+    layout = layout_for(AutoConfig.for_model("jetmoe", num_hidden_layers=1).to_dict())
+    assert layout.weight_experts == ("mlp.input_linear", "mlp.output_linear", "self_attention.experts.input_linear",
+                                     "self_attention.experts.output_linear")
+    assert (layout.expert_params, layout.disk, layout.disk_renames) == ((), "fused", ())
+    assert layout.is_weight_expert("model.layers.3.mlp.input_linear.weight")
+    assert not layout.is_weight_expert("model.layers.3.mlp.router.layer.weight")

@@ -46,13 +46,18 @@ def _disk(family: str, row: dict) -> str:
 
 
 def table() -> str:
-    """The markdown table (no markers)."""
+    """The markdown table (no markers), after a line naming the version sets its layout rows were derived with
+    (``test_golden_layouts`` runs in ``.venv`` and in ``.ci/run``'s ``.venv-newest``)."""
+    from tests.merge.families_census import pinned_sets
+
     rows = json.loads(GOLDEN.read_text())
     kinds: dict[str, set[str]] = {}
     for case in MERGE_CASES:
         family, kind = case.values[0], case.values[1]
         kinds.setdefault(family, set()).add(kind)
-    lines = ["| family | experts in memory | on disk (`save_pretrained`) | dense LoRA | `target_parameters` | "
+    lines = [f"Layout rows derived with {' and with '.join(pinned_sets())} (constraints/cpu.txt, constraints/newest.txt): "
+             f"the same rows, checked against tests/merge/golden_layouts.json in each.", "",
+             "| family | experts in memory | on disk (`save_pretrained`) | dense LoRA | `target_parameters` | "
              "legacy per-expert | sync EP=2 | `weightsync sync` | FP8 engine |", "|---|---|---|---|---|---|---|---|---|"]
     by_cli, fp8 = cli_families(), fp8_engine_families()
     for family, row in sorted(rows.items()):
