@@ -108,6 +108,7 @@ class RolloutEngineCore:
         self.engine = ENGINES[engine](model_dir, self.device)
         self._channels: dict[str, tuple] = {}  # owner -> (TransportReceiver, BucketReceiver, FactorEngine | None)
         self._factor_engine = None  # sync_service.factor_stream.FactorEngine over self.engine, for factor plans
+        self._staged: dict[str, str] = {}  # owner -> the update token its last receive staged
 
     def engine_name(self) -> str:
         return self.name
@@ -176,40 +177,63 @@ class RolloutEngineCore:
             release()
 
     def _close_channels(self, owner: str | None) -> None:
+        """Close channels; an update a closed channel staged and never committed is aborted (its owner is
+        gone or starts over), so it cannot hold off another owner's syncs."""
         for key in list(self._channels) if owner is None else [owner]:
+            token = self._staged.pop(key, None)
+            if token:
+                self._updater(key).abort(token)
             entry = self._channels.pop(key, None)
             if entry is not None:
                 entry[0].close()
 
-    def receive(self, owner: str, timeout_s: float) -> ReceiveReport:
-        """Receive one whole sync over ``owner``'s channel: staged, verified, acked, not committed."""
+    def receive(self, owner: str, timeout_s: float, reset_versions: bool = False) -> ReceiveReport:
+        """Receive one whole sync over ``owner``'s channel: staged, verified, acked, not committed. The report
+        carries the engine's update token (``commit`` / ``abort`` act with it). ``reset_versions``: the
+        engine takes a version at or below the one it serves (``engines.commit_gate``)."""
         if owner not in self._channels:
             raise RuntimeError(f"{self.name}: receive before open_transport (channel {owner!r})")
         transport, receiver, factors = self._channels[owner]
-        s = receiver.receive_sync(transport, timeout_s=timeout_s, commit=False)
+        s = receiver.receive_sync(transport, timeout_s=timeout_s, commit=False, reset_versions=reset_versions)
+        self._staged[owner] = s.update_id
         return ReceiveReport(engine=self.name, version=s.version, buckets=s.buckets, entries=s.entries,
                              payload_bytes=s.payload_bytes, wait_s=s.wait_s, verify_s=s.verify_s, apply_s=s.apply_s,
-                             finish_s=s.finish_s, total_s=s.total_s, rx_merge_s=factors.merge_s if factors else 0.0)
+                             finish_s=s.finish_s, total_s=s.total_s, rx_merge_s=factors.merge_s if factors else 0.0,
+                             update_id=s.update_id)
 
-    def commit(self, owner: str, version: int) -> None:
-        """Serve the version staged by ``owner``'s last receive, atomically; caches are reset.
+    def commit(self, owner: str, version: int, update_id: str | None = None) -> None:
+        """Serve the version staged by ``owner``'s last receive (``update_id``: its token, from the
+        ``ReceiveReport``), atomically; caches are reset.
 
         Raises:
-            RuntimeError: the engine refused ``version`` (not the finished update staged: a replayed or
-                stale commit); whatever was staged is aborted then, so the next sync begins cleanly and
-                the engine keeps serving its last committed version.
+            RuntimeError: ``owner`` staged no update here; or the engine refused (``CommitRefused``): the
+                token is not the staged update's (that update, another sync's, is kept), or ``version`` is not
+                this finished update's or not above the served version — this update is aborted then, so the
+                next sync begins cleanly and the engine keeps serving its last committed version.
         """
+        token = update_id or self._staged.get(owner)
+        if not token:
+            raise RuntimeError(f"{self.name}: commit({version}) from channel {owner!r}, which staged no update here; "
+                               f"version {self.engine.weight_version()} stays served")
         updater = self._updater(owner)
         try:
-            updater.commit(version)
+            updater.commit(version, token)
         except Exception:
-            updater.abort()  # engines drop a refused update themselves; this also clears a factor stage
+            updater.abort(token)  # only this owner's update (engines drop a refused update themselves)
             raise
+        finally:
+            if self._staged.get(owner) == token:
+                del self._staged[owner]
         self.engine.reset_caches()
 
-    def abort(self, owner: str) -> None:
-        """Drop what ``owner``'s channel staged; the previous version stays served."""
-        self._updater(owner).abort()
+    def abort(self, owner: str, update_id: str | None = None) -> None:
+        """Drop the update ``owner``'s channel staged (``update_id``: that token only); another owner's
+        update is never touched; the previous version stays served. Idempotent."""
+        token = update_id or self._staged.get(owner)
+        if self._staged.get(owner) == token:
+            self._staged.pop(owner, None)
+        if token:
+            self._updater(owner).abort(token)
 
     def _updater(self, owner: str):
         entry = self._channels.get(owner)

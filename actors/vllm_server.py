@@ -64,20 +64,23 @@ class VLLMServerActorCore:
         except ServerUnreachableError:
             pass  # nothing to close on a server that is gone
 
-    def receive(self, owner: str, timeout_s: float) -> ReceiveReport:
+    def receive(self, owner: str, timeout_s: float, reset_versions: bool = False) -> ReceiveReport:
         if owner != self._owner:
             raise RuntimeError(f"{self.engine.engine_name()}: receive before open_transport (channel {owner!r})")
         try:
-            return ReceiveReport(**self.engine.receive(timeout_s))
+            return ReceiveReport(**self.engine.receive(timeout_s, reset_versions))
         except ServerUnreachableError:
             ray.actor.exit_actor()  # the coordinator sees this engine dead and goes on without it
             raise
 
-    def commit(self, owner: str, version: int) -> None:
-        self.engine.commit(version)
+    def commit(self, owner: str, version: int, update_id: str | None = None) -> None:
+        """Commit the update ``update_id`` (the token of ``receive``'s report) as ``version``; the server's
+        ``CommitGate`` decides (``VLLMServerEngine.commit``)."""
+        self.engine.commit(version, update_id)
 
-    def abort(self, owner: str) -> None:
-        self.engine.abort()
+    def abort(self, owner: str, update_id: str | None = None) -> None:
+        """Drop the update ``update_id`` (``None``: this handle's last received one); another's is untouched."""
+        self.engine.abort(update_id)
 
     def reset_caches(self) -> None:
         self.engine.reset_caches()

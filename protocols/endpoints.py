@@ -152,6 +152,8 @@ class ReceiveReport:
         copies into staging. finish_s: post-load processing (in factor modes also the wait for the
         receiver's last merges). total_s: the whole receive. rx_merge_s: wall seconds during which the
         receiver merged factor-mode targets (overlapping the stream; 0 in merged mode). All seconds.
+        update_id: the engine's update token (``commit`` / ``abort`` act with it; ``""``: an engine that
+        hands out none).
     """
 
     engine: str
@@ -165,6 +167,7 @@ class ReceiveReport:
     finish_s: float
     total_s: float
     rx_merge_s: float = 0.0
+    update_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,26 +289,32 @@ class RolloutEndpoint(Protocol):
         """Close ``owner``'s channel (``None``: every channel). Idempotent."""
         ...
 
-    def receive(self, owner: str, timeout_s: float) -> ReceiveReport:
-        """Phase 1: receive one whole version over ``owner``'s channel, stage and verify it, ack it.
+    def receive(self, owner: str, timeout_s: float, reset_versions: bool = False) -> ReceiveReport:
+        """Phase 1: receive one whole version over ``owner``'s channel, stage and verify it (the engine's
+        pre-commit checks vote here), ack it. ``reset_versions``: the version may be at or below the served one.
 
         Raises:
-            ProtocolError (bad or forged data), TimeoutError, PeerLostError, SyncAbortedError; nothing
-            is staged afterwards.
+            ProtocolError (bad or forged data), TimeoutError, PeerLostError, SyncAbortedError;
+            ``UpdateInProgressError`` (another sync's update is staged: it is kept), ``VersionFenceError``
+            (at or below the served version), ``CommitRefused`` (a pre-commit check); nothing of this
+            sync is staged afterwards.
         """
         ...
 
-    def commit(self, owner: str, version: int) -> None:
-        """Phase 2: serve the staged ``version``, atomically (between two generations).
+    def commit(self, owner: str, version: int, update_id: str | None = None) -> None:
+        """Phase 2: serve the staged ``version``, atomically (between two generations). ``update_id``: the
+        token of ``receive``'s report (``None``: the update ``owner``'s last receive staged).
 
         Raises:
-            RuntimeError: ``version`` is not the finished update staged (a replayed or stale commit); the
-                staged update is dropped then, the previous version stays served.
+            RuntimeError (``CommitRefused``): the token is not the staged update's (that update is kept), or
+                ``version`` is not that finished update's, or not above the served version (a replayed or
+                stale commit): this update is dropped then, the previous version stays served.
         """
         ...
 
-    def abort(self, owner: str) -> None:
-        """Drop what is staged; the previous version stays served. Idempotent."""
+    def abort(self, owner: str, update_id: str | None = None) -> None:
+        """Drop the update ``owner`` staged (``update_id``: that token only); another owner's update is never
+        touched; the previous version stays served. Idempotent."""
         ...
 
     def served_weights(self, names: Sequence[str] | None = None, values: bool = False) -> ServedWeights:

@@ -295,7 +295,9 @@ class WeightSync:
     def _push_done(self, future: concurrent.futures.Future, version: int, previous: int | None) -> None:
         with self._count_lock:
             self._in_flight -= 1
-            if future.exception() is not None and self._latest == version:
+            exc = future.exception()
+            used = exc is not None and any(e.committed for e in getattr(getattr(exc, "metrics", None), "engines", ()))
+            if exc is not None and not used and self._latest == version:
                 self._latest = previous  # a failed push does not use up its version: push(version) again
         self._slots.release()
 
@@ -347,16 +349,22 @@ class WeightSync:
         """Committed weight version per engine name, asked of the engines (before a first push too; ``None``: never synced)."""
         return self._coordinator.engine_versions()
 
-    def add_engine(self, engine) -> str:
+    def add_engine(self, engine, *, reset_versions: bool = False, continue_above: bool = False) -> str:
         """Admit a RolloutEngine while training runs: validated, then (after any push in flight) brought
         to the fleet's committed version by a peer copy from a member engine; later pushes are deltas
         for every member. Without a member that can export a version, its first push is full for all.
         Returns its name; ``joins[-1]`` says how it joined.
 
+        An engine never goes back to a lower version: one serving a version above the fleet's is refused,
+        unless ``continue_above=True`` (admitted as it is; the next push must go above its version) or
+        ``reset_versions=True`` (it takes the fleet's version, explicitly at the engine).
+
         Raises:
+            ValueError: it serves a version above the fleet's (one line naming both versions and the options).
             PlanMismatchError: its table does not fit. SyncError: the peer copy failed. Not admitted either way.
         """
-        return self._pool.submit(self._coordinator.add_engine, engine).result()
+        return self._pool.submit(self._coordinator.add_engine, engine, reset_versions=reset_versions,
+                                 continue_above=continue_above).result()
 
     @property
     def joins(self) -> list[JoinMetrics]:

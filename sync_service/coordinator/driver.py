@@ -63,6 +63,8 @@ class Coordinator:
         self.versions = self.members.versions
         self.joins: list[JoinMetrics] = []
         self.served: dict[str, int | None] = {}
+        self._reset_joiners: set[str] = set()  # engines admitted with add_engine(..., reset_versions=True)
+        self._continue_from: dict[str, int] = {}  # add_engine(..., continue_above=True): name -> its version
         """Engine name → the version it served when this coordinator was made (a push must go above it)."""
         self._secret = config.secret if config.secret is not None else new_secret()  # HMAC key of every bucket
         self._mode = MergedMode() if mode is None else mode(self.trainers, self._trainer_get)
@@ -105,27 +107,56 @@ class Coordinator:
         return list(self.members.names)
 
     # -- membership ------------------------------------------------------------------------
-    def add_engine(self, engine) -> str:
+    def fleet_version(self) -> int | None:
+        """The highest version of this fleet's members: committed through this coordinator, else (unless
+        ``config.reset_versions``) served when admitted; ``None``: none."""
+        board = self.versions.snapshot()
+        known = [v if v is not None else None if self.config.reset_versions else self.served.get(n)
+                 for n, v in board.items()]
+        return max((v for v in known if v is not None), default=None)
+
+    def add_engine(self, engine, *, reset_versions: bool = False, continue_above: bool = False) -> str:
         """Validate a new engine against the plan, bring it to the fleet's committed version by a peer
         copy (when a member can export one), and admit it; later pushes are deltas for everyone.
 
+        An engine never goes back: one serving a version above the fleet's is refused, unless
+        ``continue_above`` (it is admitted as it is and the fleet's next push must go above its version;
+        it keeps serving its own until then) or ``reset_versions`` (it takes the fleet's version, explicitly
+        at the engine). One serving exactly the fleet's version is brought to the fleet's weights of it.
+
         Raises:
+            ValueError: it serves a version above the fleet's (one line naming both and the options).
             PlanMismatchError: its table does not fit (nothing changes).
             SyncError: the peer copy failed (the engine is not admitted).
         """
-        name, table, _ = self._validate(engine)
-        peer = self._pick_peer()
+        if reset_versions and continue_above:
+            raise ValueError("add_engine: reset_versions and continue_above exclude each other; pick one")
+        name, table, served = self._validate(engine)
+        fleet = self.fleet_version()
+        above = served is not None and fleet is not None and served > fleet
+        if above and not (reset_versions or continue_above):
+            raise ValueError(f"add_engine: engine {name} serves version {served}, above this fleet's {fleet}; a join "
+                             f"would take it back to {fleet}. Pass add_engine(..., continue_above=True) to admit it as "
+                             f"it is (the next push must go above {served}) or add_engine(..., reset_versions=True) to "
+                             f"number it from the fleet's version")
+        if continue_above and served is not None:
+            self._continue_from[name] = served  # the next push must go above it, whatever reset_versions says
+        peer = None if (continue_above and above) else self._pick_peer()
         if peer is None:
             joined = JoinMetrics(engine=name, source="next-push", version=None, bytes=0, buckets=0, seconds=0.0)
         else:
             self._channel.epoch += 1
             peer_name = self.members.names[peer]
+            peer_version = self.versions.snapshot()[peer_name]
             joined = peer_copy(joiner=engine, joiner_name=name, joiner_table=table, peer=self.members.handles[peer],
                                peer_name=peer_name, peer_table=self.members.tables[peer_name],
-                               version=self.versions.snapshot()[peer_name], config=self.config,
+                               version=peer_version, config=self.config,
                                channel=f"ws{self._channel.owner}j{self._channel.epoch}", secret=self._secret,
-                               get=self._get)
+                               get=self._get,
+                               reset_versions=reset_versions or (served is not None and served >= peer_version))
             self._mode.joined()
+        if peer is None and reset_versions:
+            self._reset_joiners.add(name)  # its first push is begun with reset_versions
         self.members.admit(engine, name, table, joined.version, full=peer is not None)
         self.joins.append(joined)
         return name
@@ -197,7 +228,8 @@ class Coordinator:
                                                f"{self._channel.epoch}-v{version}", version=version,
                                                names=None if names is None else tuple(sorted(names)),
                                                timeout_s=self.config.timeout_s, check_finite=self.config.check_finite,
-                                               accumulate_dtype=self.config.accumulate_dtype))
+                                               accumulate_dtype=self.config.accumulate_dtype),
+                                   reset=self._resets(run.engine_names))
             if prepared.ok:
                 return self._commit(run, prepared, version, names is None, lost, t0)
             gone = prepared.lost_engines()
@@ -212,18 +244,40 @@ class Coordinator:
         return Transfer(channel=self._channel, trainers=self.trainers, trainer_names=self.trainer_names,
                         engines=self.members.handles, engine_names=self.members.names, timeout_s=self.config.timeout_s)
 
+    def _resets(self, names: Sequence[str]) -> list[bool]:
+        """Per engine, whether its update of this push is begun with ``reset_versions``: asked for
+        (``config.reset_versions``, or ``add_engine(..., reset_versions=True)``) and nothing committed on it
+        through this coordinator yet. Later pushes go above what this coordinator committed anyway."""
+        board = self.versions.snapshot()
+        return [(self.config.reset_versions or n in self._reset_joiners) and board.get(n) is None for n in names]
+
     def _commit(self, run: Transfer, prepared: Prepared, version: int, full: bool, lost: list,
                 t0: float) -> SyncMetrics:
-        errors, commit_s = run.commit(version)  # an engine that fails here serves its previous version
+        """Phase 2. Returned means committed on every member: an engine that is still a member and did not
+        commit (its gate refused, its commit failed) makes the push raise ``SyncError`` (it serves its previous
+        version; the metrics say which engines committed); one that died at commit leaves the membership and is
+        reported in the metrics."""
+        errors, commit_s = run.commit(version, [r.update_id if r is not None else None for r in prepared.received])
         committed = [n for n, e in zip(run.engine_names, errors) if e is None]
         self.members.committed(version, committed)
-        self._mode.committed(version)
+        self._reset_joiners.difference_update(committed)
+        for name in committed:
+            self._continue_from.pop(name, None)
         results = list(lost) + [_result(n, e is None, None if e is None else str(e), r)
                                 for n, r, e in zip(run.engine_names, prepared.received, errors)]
         dead = [i for i, e in enumerate(errors) if isinstance(e, EndpointDiedError)]
+        refused = [(n, e) for n, e in zip(run.engine_names, errors) if e is not None and
+                   not isinstance(e, EndpointDiedError)]
         if dead:
             self.members.drop(dead, [f"engine {run.engine_names[i]} died at commit({version})" for i in dead])
-        return self._metrics(version, full, prepared, results, commit_s, t0)
+        metrics = self._metrics(version, full, prepared, results, commit_s, t0)
+        if refused:
+            self._forget(version)
+            raise SyncError(f"push({version}) not committed on every member: " + "; ".join(
+                f"engine {n} did not commit and serves its previous version: {e}" for n, e in refused)[:2000] +
+                f" (committed on: {', '.join(committed) or 'none'})" + _left(lost), metrics)
+        self._mode.committed(version)
+        return metrics
 
     def _forget(self, version: int) -> None:
         """A push of ``version`` failed: the mode forgets its delta state, the trainers the snapshot."""
@@ -279,6 +333,7 @@ class Coordinator:
         """Raises ValueError unless ``version`` is above ``previous`` (this coordinator's last push) and,
         unless ``config.reset_versions``, above what every engine served when admitted (``versions.py``)."""
         check_push_version(version, previous, self.served, reset=self.config.reset_versions)
+        check_push_version(version, None, self._continue_from, reset=False)
 
     def _describe(self, engine, taken: Sequence[str] = ()) -> tuple[str, list, int | None]:
         """(name unique among the members and ``taken``, parameter table, served version) of ``engine``."""

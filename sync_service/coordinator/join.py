@@ -55,8 +55,9 @@ def peer_plan(table: Sequence[ParamMeta], *, bucket_bytes: int) -> SyncPlan:
 
 def peer_copy(*, joiner, joiner_name: str, joiner_table: Sequence[ParamMeta], peer, peer_name: str,
               peer_table: Sequence[ParamMeta], version: int, config, channel: str, secret: bytes | None,
-              get: Callable[[list, str], list]) -> JoinMetrics:
-    """Stream ``peer``'s served ``version`` to ``joiner`` and commit it there. Blocks.
+              get: Callable[[list, str], list], reset_versions: bool = False) -> JoinMetrics:
+    """Stream ``peer``'s served ``version`` to ``joiner`` and commit it there. Blocks. ``reset_versions``: the
+    joiner's update is begun with it (it serves ``version`` already, or the caller asked to renumber it).
 
     ``get(refs, what)`` waits for Ray refs with the coordinator's timeout and error mapping.
 
@@ -79,8 +80,11 @@ def peer_copy(*, joiner, joiner_name: str, joiner_table: Sequence[ParamMeta], pe
                                                   version=version, timeout_s=timeout, secret=secret))
     try:
         get([opened], "open_transport (late joiner)")
-        sent, received = get([send, joiner.receive.remote(channel, timeout)], "peer copy")
-        get([joiner.commit.remote(channel, version)], "commit (late joiner)")
+        receiving = joiner.receive.remote(channel, timeout, True) if reset_versions else \
+            joiner.receive.remote(channel, timeout)
+        sent, received = get([send, receiving], "peer copy")
+        get([joiner.commit.remote(channel, version, received.update_id) if received.update_id else
+             joiner.commit.remote(channel, version)], "commit (late joiner)")
     except Exception as exc:
         try:
             ray.get([joiner.abort.remote(channel)], timeout=30)

@@ -73,10 +73,14 @@ class Transfer:
         self.engines, self.engine_names, self.timeout_s = list(engines), list(engine_names), timeout_s
         self.engine_labels = [f"engine {n}" for n in self.engine_names]  # how errors name them
 
-    def prepare(self, request: SendRequest) -> Prepared:
-        """Phase 1; returns when every participant answered (at once after the first failure)."""
+    def prepare(self, request: SendRequest, reset: Sequence[bool] = ()) -> Prepared:
+        """Phase 1; returns when every participant answered (at once after the first failure). ``reset``: per
+        engine, whether its update is begun with ``reset_versions`` (the engine then takes a version at or
+        below the one it serves)."""
         owner = self.channel.owner
-        refs = [e.receive.remote(owner, self.timeout_s) for e in self.engines]
+        reset = list(reset) + [False] * (len(self.engines) - len(reset))
+        refs = [e.receive.remote(owner, self.timeout_s, True) if r else e.receive.remote(owner, self.timeout_s)
+                for e, r in zip(self.engines, reset)]
         refs += [t.send.remote(request) for t in self.trainers]
         names = self.engine_labels + self.trainer_names
         calls = ["receive"] * len(self.engines) + ["send"] * len(self.trainers)
@@ -111,12 +115,16 @@ class Transfer:
             self.channel.close_senders(self.trainers)
         return results, errors, sorted(pending.values())
 
-    def commit(self, version: int) -> tuple[list[EndpointError | None], float]:
-        """Phase 2 on every engine; per engine its error (``None``: committed) and the round's seconds.
-        A live engine whose commit failed is aborted (it keeps serving its previous version, and its next
-        sync begins cleanly instead of finding this one still staged)."""
+    def commit(self, version: int, tokens: Sequence[str | None] = ()) -> tuple[list[EndpointError | None], float]:
+        """Phase 2 on every engine, each with the update token its receive reported (``tokens``, receiver
+        order); per engine its error (``None``: committed) and the round's seconds. A live engine whose commit
+        failed is aborted (it keeps serving its previous version, and its next sync begins cleanly instead of
+        finding this one still staged)."""
         t0 = time.perf_counter()
-        _, errors = settle([e.commit.remote(self.channel.owner, version) for e in self.engines], self.engine_labels,
+        tokens = list(tokens) + [None] * (len(self.engines) - len(tokens))
+        owner = self.channel.owner
+        _, errors = settle([e.commit.remote(owner, version, t) if t else e.commit.remote(owner, version)
+                            for e, t in zip(self.engines, tokens)], self.engine_labels,
                            "commit", self.timeout_s + GRACE_S)
         failed = [i for i, e in enumerate(errors) if e is not None]
         if failed:

@@ -36,7 +36,8 @@ from protocols.interfaces import FinishReport
 from protocols.params import Box, ParamMeta
 from sync_service.dtypes import wire_dtype
 from sync_service.engines.fp8 import Fp8Served, load_fp8_model
-from sync_service.engines.staging import APPLY_CHUNK_BYTES, Staging, privatize_mapped, refusal
+from sync_service.engines.commit_gate import CommitGate
+from sync_service.engines.staging import APPLY_CHUNK_BYTES, Staging, privatize_mapped
 
 __all__ = ["GenerateResult", "HFEngine", "HFEngineConfig", "SampleResult", "load_causal_lm"]
 
@@ -138,6 +139,8 @@ class HFEngine:
         self._version: int | None = None
         self._staging = Staging(lambda n: torch.empty_like(self._held[n].data), "HFEngine")
         self._finished = False
+        self.commit_gate = CommitGate("HFEngine")
+        """The engine's version fence, update tokens and pre-commit checks (``engines.commit_gate``)."""
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype | None = None,
@@ -172,18 +175,26 @@ class HFEngine:
             return self._version, {n: p.detach().clone() for n, p in keep.items()}
 
     # -- update lifecycle ------------------------------------------------------------------
-    def begin_update(self, version: int, names: Sequence[str]) -> None:
-        """Take staging buffers for ``names`` (``engines.staging.Staging``).
+    def begin_update(self, version: int, names: Sequence[str], *, reset_versions: bool = False) -> str:
+        """Take staging buffers for ``names`` (``engines.staging.Staging``); returns the update token
+        (``CommitGate.begin``: ``commit`` / ``abort`` act with it).
 
         Raises:
-            RuntimeError: an update is already in progress (call ``commit`` or ``abort`` first).
+            UpdateInProgressError: an update is already in progress (it commits or aborts first).
+            VersionFenceError: ``version`` is at or below the served one without ``reset_versions``.
             KeyError: a name is not in this engine's parameter table.
         """
         unknown = sorted(set(names) - self._held.keys())
         if unknown:
             raise KeyError(f"names not in the engine parameter table: {unknown[:5]} ({len(unknown)} in all)")
-        self._staging.begin(version, names)
+        update_id = self.commit_gate.begin(version, reset_versions=reset_versions)
+        try:
+            self._staging.begin(version, names)
+        except BaseException:
+            self.commit_gate.dropped(update_id)
+            raise
         self._finished = False
+        return update_id
 
     def reserve_staging(self, names: Sequence[str]) -> int:
         """Allocate and touch the staging buffers of ``names`` now (``Staging.reserve``), so no sync
@@ -227,21 +238,25 @@ class HFEngine:
             raise RuntimeError("finish_update needs exactly one begin_update before it")
         self._staging.check_complete()
         self._dequantized = self._fp8.dequantized({n: self._staging.buffer(n) for n in self._staging.names()})
+        self.commit_gate.vote(self.abort, self._staging.names(), self._staging.applied(),
+                              values=lambda: {n: self._staging.buffer(n) for n in self._staging.names()})
         self._finished = True
         return FinishReport(tensors=len(self._staging.names()), modules=len(self._dequantized),
                             seconds=time.perf_counter() - t0)
 
-    def commit(self, version: int) -> None:
+    def commit(self, version: int, update_id: str | None = None) -> None:
         """Swap staged buffers into the live parameters under the generation lock.
 
+        ``update_id``: the token ``begin_update`` returned (``None``: the update staged).
+
         Raises:
-            RuntimeError: ``version`` differs from the one begun, or ``finish_update`` did not run; the
-                staged update is dropped then (the served version stays, the next sync begins cleanly).
+            CommitRefused (a RuntimeError): ``update_id`` is not the staged update's (``ForeignCommit``: that
+                update is kept, it belongs to another sync); or ``version`` differs from the one begun,
+                ``finish_update`` did not run, or it is not above the served version
+                (``CommitGate.check_commit``): this update is dropped then (the served version stays, the
+                next sync begins cleanly).
         """
-        if self._staging.version != version or not self._finished:
-            refused = refusal(version, self._staging.version, self._finished, self._version)
-            self.abort()  # a refused commit leaves nothing staged: the next sync begins cleanly
-            raise RuntimeError(refused)
+        self.commit_gate.admit_commit(version, update_id, finished=self._finished, abort=self.abort)
         with self._locked():
             for name, buffer in self._staging.take().items():
                 if name in self._fp8.tensors:  # served FP8 values / scales
@@ -255,16 +270,22 @@ class HFEngine:
                 self._fp8.keep_spare(name, self._params[name].data)
                 self._params[name].data = compute
             self._version = version
+            self.commit_gate.committed(version)
         self._dequantized = {}
         self._finished = False
 
-    def abort(self) -> None:
-        """Drop staging; the served version is untouched. Idempotent."""
+    def abort(self, update_id: str | None = None) -> bool:
+        """Drop the staged update if ``update_id`` is its token (``None``: whatever is staged); the served
+        version is untouched. Returns whether an update was dropped; an abort with another update's token
+        does nothing. Idempotent."""
+        if not self.commit_gate.owns(update_id):
+            return False
         self._staging.drop()
         for name, compute in self._dequantized.items():
             self._fp8.keep_spare(name, compute)
         self._dequantized = {}
         self._finished = False
+        return self.commit_gate.dropped(update_id)
 
     def reset_caches(self) -> None:
         """No-op: this engine keeps no KV or prefix cache across ``generate`` calls."""

@@ -21,7 +21,8 @@ import torch
 from protocols.interfaces import FinishReport
 from protocols.params import Box, ParamMeta
 from sync_service.dtypes import wire_dtype
-from sync_service.engines.staging import APPLY_CHUNK_BYTES, Staging, refusal
+from sync_service.engines.commit_gate import CommitGate
+from sync_service.engines.staging import APPLY_CHUNK_BYTES, Staging
 
 
 class MemoryEngine:
@@ -41,6 +42,8 @@ class MemoryEngine:
         self._finished = False
         self._version: int | None = None
         self._lock = threading.Lock()
+        self.commit_gate = CommitGate("MemoryEngine")
+        """The engine's version fence, update tokens and pre-commit checks (``engines.commit_gate``)."""
 
     @classmethod
     def from_fp8_checkpoint(cls, path: str | Path) -> "MemoryEngine":
@@ -56,13 +59,20 @@ class MemoryEngine:
     def weight_version(self) -> int | None:
         return self._version
 
-    def begin_update(self, version: int, names: Sequence[str]) -> None:
-        """Raises KeyError (unknown name), RuntimeError (an update is in progress)."""
+    def begin_update(self, version: int, names: Sequence[str], *, reset_versions: bool = False) -> str:
+        """Returns the update token (``CommitGate.begin``). Raises KeyError (unknown name),
+        UpdateInProgressError (an update is in progress), VersionFenceError (not above the served version)."""
         unknown = set(names) - set(self._served)
         if unknown:
             raise KeyError(f"begin_update: unknown parameters {sorted(unknown)[:5]}; the engine has {len(self._served)}")
-        self._staging.begin(version, names)
+        update_id = self.commit_gate.begin(version, reset_versions=reset_versions)
+        try:
+            self._staging.begin(version, names)
+        except BaseException:
+            self.commit_gate.dropped(update_id)
+            raise
         self._finished = False
+        return update_id
 
     def reserve_staging(self, names: Sequence[str]) -> int:
         """Allocate and touch the staging buffers of ``names`` (``Staging.reserve``; unknown names are
@@ -83,26 +93,32 @@ class MemoryEngine:
         if self._staging.version is None or self._finished:
             raise RuntimeError("finish_update needs exactly one begin_update before it")
         self._staging.check_complete()
+        self.commit_gate.vote(self.abort, self._staging.names(), self._staging.applied(),
+                              values=lambda: {n: self._staging.buffer(n) for n in self._staging.names()})
         self._finished = True
         return FinishReport(tensors=len(self._staging.names()), modules=0, seconds=time.perf_counter() - t0)
 
-    def commit(self, version: int) -> None:
-        """Raises RuntimeError unless ``version`` was begun and finished; the staged update is then dropped
-        (the served version stays)."""
-        if self._staging.version != version or not self._finished:
-            refused = refusal(version, self._staging.version, self._finished, self._version)
-            self.abort()  # a refused commit leaves nothing staged: the next sync begins cleanly
-            raise RuntimeError(refused)
+    def commit(self, version: int, update_id: str | None = None) -> None:
+        """Raises CommitRefused (a RuntimeError) as ``CommitGate.admit_commit``: another update's token
+        (nothing changes), or this update not begun as ``version``, not finished, or not above the served
+        version (it is dropped then; the served version stays)."""
+        self.commit_gate.admit_commit(version, update_id, finished=self._finished, abort=self.abort)
         with self._lock:
             for name, staged in self._staging.take().items():
                 self._staging.keep_spare(name, self._served[name])
                 self._served[name] = staged
             self._version = version
+            self.commit_gate.committed(version)
         self._finished = False
 
-    def abort(self) -> None:
+    def abort(self, update_id: str | None = None) -> bool:
+        """Drop the staged update if ``update_id`` is its token (``None``: whatever is staged); returns
+        whether one was dropped. Idempotent."""
+        if not self.commit_gate.owns(update_id):
+            return False
         self._staging.drop()
         self._finished = False
+        return self.commit_gate.dropped(update_id)
 
     def reset_caches(self) -> None:
         pass  # no caches

@@ -45,6 +45,8 @@ def privatize_mapped(tensors: Iterable[torch.Tensor], maps_path: str = "/proc/se
     starts = [a for a, _ in spans]
     copied = 0
     for t in tensors:
+        if t.device.type != "cpu":  # a device pointer is no file mapping (and may fall in one's address range)
+            continue
         i = bisect.bisect_right(starts, t.data_ptr()) - 1
         if t.numel() and i >= 0 and t.data_ptr() < spans[i][1]:
             t.data = t.data.clone()
@@ -156,6 +158,10 @@ class Staging:
 
     def names(self) -> list[str]:
         return list(self._buffers)
+
+    def applied(self) -> dict[str, int]:
+        """Elements applied per name of the sync being staged (a copy)."""
+        return dict(self._applied)
 
     def buffer(self, name: str) -> torch.Tensor:
         return self._buffers[name]

@@ -90,6 +90,7 @@ class FactorEngine:
         """Targets the engine serves in block FP8: merged over the trainers' base and quantized (``rx_fp8``)."""
         self._pristine: dict[str, torch.Tensor] = {}
         self._terms: dict[str, dict[int, TermBuffers]] = {}
+        self._update_id: str | None = None  # the engine's token of the update this receiver staged
         threads = self.config.merge_threads or min(4, len(os.sched_getaffinity(0)))
         self._pool = MergePool(threads=threads, timeout_s=self.config.merge_timeout_s)
         self._apply_lock = threading.Lock()  # the wrapped engine's apply: one thread at a time
@@ -128,9 +129,13 @@ class FactorEngine:
         self._unmergeable: dict[str, str] = {}  # target → why it cannot be merged
 
     # -- update lifecycle ------------------------------------------------------------------
-    def begin_update(self, version: int, names: Sequence[str]) -> None:
+    def begin_update(self, version: int, names: Sequence[str], *, reset_versions: bool = False) -> str | None:
         """Split ``names`` into recipes, pristine bases and plain tensors; begin the engine's update
-        with the plain tensors and every target it will re-merge."""
+        with the plain tensors and every target it will re-merge. Returns the engine's update token; the
+        engine's refusal (another update staged, a fenced version) is raised before anything is touched."""
+        gate = getattr(self.inner, "commit_gate", None)
+        if gate is not None and gate.staged_id is not None:  # another sync's update: leave its state alone
+            return self.inner.begin_update(version, list(names), reset_versions=reset_versions)
         self._pool.cancel()
         self._pool.reset()
         self._reset_staged()
@@ -144,7 +149,10 @@ class FactorEngine:
             engine_names.append(target or name)
             if target in self._fp8:
                 engine_names.append(self._fp8[target].scales)
-        self.inner.begin_update(version, list(dict.fromkeys(engine_names)))
+        names = list(dict.fromkeys(engine_names))
+        self._update_id = (self.inner.begin_update(version, names, reset_versions=True) if reset_versions
+                           else self.inner.begin_update(version, names))
+        return self._update_id
 
     def apply(self, name: str, box: Box, data: torch.Tensor) -> None:
         """Stage a recipe block or pristine box (merging the target once its last piece arrived), or
@@ -190,17 +198,22 @@ class FactorEngine:
         self.merge_s, self.merged_targets = self._pool.busy_s(), self._pool.submitted
         return self.inner.finish_update()
 
-    def commit(self, version: int) -> None:
-        self.inner.commit(version)
+    def commit(self, version: int, update_id: str | None = None) -> None:
+        self.inner.commit(*(version,) if update_id is None else (version, update_id))
         self._pristine.update(self._st_pristine)
         self._terms.update(self._st_terms)
         self._reset_staged()
 
-    def abort(self) -> None:
-        """Stop the merges (none applies afterwards), drop everything staged, abort the engine's update."""
+    def abort(self, update_id: str | None = None) -> bool:
+        """Stop the merges (none applies afterwards), drop everything staged, abort the engine's update —
+        only when ``update_id`` is that update's token (``None``: whatever is staged); another update's
+        token does nothing. Returns whether an update was dropped."""
+        if update_id is not None and update_id != self._update_id:
+            return False
         self._pool.cancel()
         self._reset_staged()
-        self.inner.abort()
+        self._update_id = None
+        return bool(self.inner.abort(*() if update_id is None else (update_id,)))
 
     def close(self) -> None:
         """Stop the merge workers (after ``abort`` or ``commit``)."""

@@ -65,6 +65,8 @@ class ApplyStats:
     comparable across processes of one host); stages ``recv``, ``verify`` (calling thread), ``apply``."""
     modules: int = 0
     """Engine modules whose post-load processing ran (``FinishReport.modules`` of the adapter's finish)."""
+    update_id: str = ""
+    """The engine's update token (``begin_update``'s answer): ``commit`` / ``abort`` act with it."""
 
 
 class _SyncState:
@@ -72,6 +74,8 @@ class _SyncState:
 
     def __init__(self, plan: SyncPlan, begin: Begin):
         self.session, self.version, self.names = begin.session, begin.version, begin.names
+        self.staged = False  # the engine's begin_update accepted this sync
+        self.update_id: str | None = None  # its token (None from an adapter that hands out none)
         self.plan = subset_plan(plan, None if begin.names is None else frozenset(begin.names))
         self.digest = plan_digest(self.plan)
         self.expected = {s: buckets_of(self.plan, s) for s in senders(plan)}
@@ -138,14 +142,23 @@ class BucketReceiver:
         # > 0: checksums are checked while applying, in pieces of this many bytes (ChunkedApply)
         self._chunk_bytes = adapter.apply_chunk_bytes if isinstance(adapter, ChunkedApply) else 0
         self._starting: _SyncState | None = None
+        self._reset_versions = False
+        self._hash = True
 
-    def receive_sync(self, transport: TransportReceiver, *, timeout_s: float = 60.0, commit: bool = False) -> ApplyStats:
+    def receive_sync(self, transport: TransportReceiver, *, timeout_s: float = 60.0, commit: bool = False,
+                     reset_versions: bool = False) -> ApplyStats:
         """Receive one whole sync: begin → apply per bucket → finish → Ack (→ commit if asked).
 
-        Blocks up to ``timeout_s`` in all. Raises ProtocolError (bad/corrupt/out-of-order data),
-        SyncAbortedError (a sender aborted), TimeoutError, PeerLostError, or the adapter's error;
-        in every case the adapter was aborted and the senders were told (where reachable).
+        ``reset_versions``: begin the engine's update with ``reset_versions`` (a version at or below the
+        served one is taken; ``engines.commit_gate``). Blocks up to ``timeout_s`` in all. Raises
+        ProtocolError (bad/corrupt/out-of-order data), SyncAbortedError (a sender aborted), TimeoutError,
+        PeerLostError, or the adapter's error (a refused ``begin_update``: another sync's update is staged,
+        or the version is fenced); in every case this sync's own update was aborted (never another's:
+        the abort carries its token) and the senders were told (where reachable).
         """
+        self._reset_versions = reset_versions
+        # cuda_ipc on a GPU sends no payload hash (transports/cuda_ipc.py): its header (MAC, entries, sizes) is checked
+        self._hash = bool(getattr(transport, "hashes_payload", True))
         t0 = time.perf_counter()
         end = time.monotonic() + timeout_s
         st: _SyncState | None = None
@@ -162,7 +175,7 @@ class BucketReceiver:
                 try:
                     st, bucket = self._on_frame(st, header, payload, stats)
                 finally:  # every received frame goes through the stage: released in arrival order
-                    stage.put(bucket, None if bucket is None else payload, chunk_bytes=self._chunk_bytes)
+                    stage.put(bucket, None if bucket is None else payload, chunk_bytes=self._chunk_bytes if self._hash else 0)
                     payload = None
             stage.wait_idle(_left(end, timeout_s))
             stats.apply_s, stats.buckets, stats.entries, stats.payload_bytes = (
@@ -180,8 +193,9 @@ class BucketReceiver:
             stage.close()
             self._starting = None
         if commit:
-            self.adapter.commit(st.version)
+            self.adapter.commit(*(st.version,) if st.update_id is None else (st.version, st.update_id))
         stats.session, stats.version, stats.total_s = st.session, st.version, time.perf_counter() - t0
+        stats.update_id = st.update_id or ""
         return stats
 
     def _on_frame(self, st: _SyncState | None, header: bytes, payload,
@@ -194,7 +208,12 @@ class BucketReceiver:
             if st is None:
                 st = self._starting = _SyncState(self.plan, msg)
                 st.check_begin(msg)
-                self.adapter.begin_update(msg.version, list(dict.fromkeys(e.name for e in st.plan.entries)))
+                names = list(dict.fromkeys(e.name for e in st.plan.entries))
+                if self._reset_versions:
+                    st.update_id = self.adapter.begin_update(msg.version, names, reset_versions=True)
+                else:
+                    st.update_id = self.adapter.begin_update(msg.version, names)
+                st.staged = True
             else:
                 st.check_begin(msg)
             return st, None
@@ -210,16 +229,17 @@ class BucketReceiver:
         if not isinstance(msg, BucketHeader):
             raise ProtocolError("message", f"unexpected {type(msg).__name__} on the data channel")
         verify_mac(msg, self.secret)
-        st.check_bucket(msg, payload, hash_payload=self._chunk_bytes <= 0)
+        st.check_bucket(msg, payload, hash_payload=self._chunk_bytes <= 0 and self._hash)
         stats.verify_s += time.perf_counter() - tv
         stats.timeline.append(("verify", msg.seq, tv, time.perf_counter()))
         return st, msg
 
     def _fail(self, transport: TransportReceiver, st: _SyncState | None, exc: BaseException, end: float) -> None:
-        try:
-            self.adapter.abort()
-        except Exception:
-            pass  # the original error is what the caller needs
+        if st is not None and st.staged:  # only this sync's own update (a refused begin staged nothing)
+            try:
+                self.adapter.abort(*() if st.update_id is None else (st.update_id,))
+            except Exception:
+                pass  # the original error is what the caller needs
         if isinstance(exc, (TimeoutError, PeerLostError)):
             return
         session, version = (st.session, st.version) if st else ("", 0)

@@ -64,18 +64,24 @@ class ServerAdapter:
             opened.result(timeout=self.timeout_s + 60)
         return Sender(transport, BucketPool(bucket_bytes=BUCKET_BYTES), secret=secret)
 
+    commit_gate = None
+    """The server's gate lives in its worker (``WorkerEngine.commit_gate``), not in this process."""
+
     def param_metas(self) -> Sequence[ParamMeta]:
         return self._metas
 
     def weight_version(self) -> int | None:
         return self.server.weight_version()
 
-    def begin_update(self, version: int, names: Sequence[str]) -> None:
+    def begin_update(self, version: int, names: Sequence[str], *, reset_versions: bool = False) -> None:
+        """Stages here; the server's own ``begin_update`` (its ``CommitGate``: fence, token) runs when
+        ``finish_update`` streams the sync, so its refusals are raised there. Hands out no token here:
+        ``update_id`` holds the server's after ``finish_update``."""
         unknown = sorted(set(names) - {m.name for m in self._metas})
         if unknown:
             raise KeyError(f"begin_update: {unknown[:5]} not in the server's table")
         self._staging.begin(version, names)
-        self._finished = False
+        self._finished, self._reset, self.update_id = False, reset_versions, None
 
     def apply(self, name: str, box: Box, data: torch.Tensor) -> None:
         self._staging.apply(name, box, data)
@@ -87,27 +93,30 @@ class ServerAdapter:
         self._staging.check_complete()
         t0, names = time.perf_counter(), self._staging.names()
         source = TensorSource({n: self._staging.buffer(n) for n in names})
-        received = self._pool.submit(self.server.receive, self.timeout_s)
+        received = self._pool.submit(self.server.receive, self.timeout_s, self._reset)
         try:
             self._sender.send_sync(f"conformance-{self._staging.version}", self._staging.version, source, self._plan,
                                    names=frozenset(names), timeout_s=self.timeout_s)
         finally:
-            received.result(timeout=self.timeout_s + 60)  # the server's error, if it failed, is the one raised
+            self.update_id = received.result(timeout=self.timeout_s + 60)["update_id"]  # or the server's error
         modules = int(self.server.status()["received"]["modules"])  # the worker's reload of this sync
         self._finished = True
         return FinishReport(tensors=len(names), modules=modules, seconds=time.perf_counter() - t0)
 
-    def commit(self, version: int) -> None:
+    def commit(self, version: int, update_id: str | None = None) -> None:
         try:
-            self.server.commit(version)  # the server refuses (and aborts) a version it did not receive
+            self.server.commit(version, update_id)  # the server's gate refuses (and aborts) what it did not stage
         finally:
+            if update_id is None or update_id == self.update_id:
+                self._staging.drop()
+                self._finished = False
+
+    def abort(self, update_id: str | None = None) -> bool:
+        self.server.abort(update_id)
+        if update_id is None or update_id == self.update_id:
             self._staging.drop()
             self._finished = False
-
-    def abort(self) -> None:
-        self.server.abort()
-        self._staging.drop()
-        self._finished = False
+        return True
 
     def reset_caches(self) -> None:
         self.server.reset_caches()

@@ -198,6 +198,158 @@ def _check_export(engine, joiner, table) -> None:
     ray.get(joiner.close_transport.remote("join"), timeout=60)
 
 
+def _open_channel(owner: str, plan, actors) -> None:
+    from sync_service.transports import TransportSpec
+
+    spec = TransportSpec(kind="shm", name="f" + uuid.uuid4().hex[:8], num_senders=1, num_receivers=1,
+                         bucket_bytes=plan.bucket_bytes, connect_timeout_s=60, op_timeout_s=60)
+    ray.get([a.open_transport.remote(OpenChannel(owner=owner, spec=spec.to_bytes(), plan=encode(plan), index=0))
+             for a in actors], timeout=120)
+
+
+def _sync(trainer, engine, owner: str, version: int):
+    """Phase 1 of one sync of ``version`` over ``owner``'s channel: (the receive's ref, the send's ref)."""
+    received = engine.receive.remote(owner, 60.0)
+    sent = trainer.send.remote(SendRequest(owner=owner, session=f"{owner}-{uuid.uuid4().hex[:6]}", version=version,
+                                           names=None, timeout_s=60.0))
+    return received, sent
+
+
+@pytest.fixture(scope="module")
+def fence_actors(ray_local, files):
+    """One trainer and two memory engines (cheap), shared by the fencing tests of this module."""
+    from actors.launch import start_engines, start_trainers
+
+    base, adapter = files
+    (trainer,) = start_trainers(base, adapter)
+    engines = start_engines(base, 2, prefix="fence", engine="memory")
+    yield trainer, engines
+    for a in (trainer, *engines):
+        ray.kill(a)
+
+
+def test_two_owners_on_one_engine_are_fenced_by_the_engine(fence_actors):
+    """Two syncs (owners A: v10, B: v11) on one engine, interleaved call by call: B's begin is refused while A's
+    update is staged (naming version 10), B's abort and B's commit leave A's update alone, A commits 10; B's
+    next push begins once the engine is free and commits 11; a stale 10 is refused by the engine itself."""
+    from sync_service.coordinator import build_sync_plan
+
+    trainer, (engine, _) = fence_actors
+    plan = build_sync_plan([list(ray.get(trainer.owned_metas.remote(), timeout=60))], bucket_bytes=1 << 20)
+    for owner in ("A", "B"):
+        _open_channel(owner, plan, (trainer, engine))
+    ray.get([trainer.snapshot.remote(10), trainer.snapshot.remote(11)], timeout=60)
+    received, sent = _sync(trainer, engine, "A", 10)
+    ray.get(sent, timeout=120)
+    staged = ray.get(received, timeout=60)
+    assert staged.version == 10 and staged.update_id  # A's update: staged, acked, not committed
+    received, sent = _sync(trainer, engine, "B", 11)
+    with pytest.raises(Exception, match=r"begin_update\(11\) refused: version 10 is in progress"):
+        ray.get(received, timeout=60)
+    with pytest.raises(Exception, match="version 10 is in progress"):
+        ray.get(sent, timeout=120)  # the trainer hears the engine's refusal
+    ray.get(engine.abort.remote("B"), timeout=60)  # the coordinator of B aborts its sync: A's update survives
+    with pytest.raises(Exception, match="staged no update here"):
+        ray.get(engine.commit.remote("B", 11), timeout=60)
+    with pytest.raises(Exception, match="not the one staged"):
+        ray.get(engine.commit.remote("B", 10, "0123456789abcdef"), timeout=60)  # a forged token commits nothing
+    ray.get(engine.commit.remote("A", 10, staged.update_id), timeout=60)
+    assert ray.get(engine.weight_version.remote(), timeout=60) == 10
+    received, sent = _sync(trainer, engine, "B", 11)  # B is not fenced out for good
+    ray.get(sent, timeout=120)
+    ray.get(engine.commit.remote("B", 11, ray.get(received, timeout=60).update_id), timeout=60)
+    assert ray.get(engine.weight_version.remote(), timeout=60) == 11
+    ray.get(trainer.snapshot.remote(10), timeout=60)
+    received, sent = _sync(trainer, engine, "A", 10)  # A's replay of 10 after 11: never served again
+    with pytest.raises(Exception, match=r"begin_update\(10\) refused: this engine serves version 11"):
+        ray.get(received, timeout=60)
+    with pytest.raises(Exception):
+        ray.get(sent, timeout=120)
+    ray.get(engine.abort.remote("A"), timeout=60)
+    assert ray.get(engine.weight_version.remote(), timeout=60) == 11
+    ray.get([a.close_transport.remote(None) for a in (trainer, engine)], timeout=60)
+
+
+def test_reset_versions_is_explicit_at_the_engine(fence_actors):
+    """A version at or below the served one commits only when the receive asked for ``reset_versions``."""
+    from sync_service.coordinator import build_sync_plan
+
+    trainer, (_, engine) = fence_actors
+    plan = build_sync_plan([list(ray.get(trainer.owned_metas.remote(), timeout=60))], bucket_bytes=1 << 20)
+    _open_channel("R", plan, (trainer, engine))
+    for version, reset in ((5, False), (3, True)):
+        ray.get(trainer.snapshot.remote(version), timeout=60)
+        received = engine.receive.remote("R", 60.0, reset)
+        ray.get(trainer.send.remote(SendRequest(owner="R", session=f"r{version}", version=version, names=None,
+                                                timeout_s=60.0)), timeout=120)
+        ray.get(engine.commit.remote("R", version, ray.get(received, timeout=60).update_id), timeout=60)
+        assert ray.get(engine.weight_version.remote(), timeout=60) == version
+    ray.get([a.close_transport.remote(None) for a in (trainer, engine)], timeout=60)
+
+
+def _refuse_next_commit(actor) -> None:
+    """Inside a RolloutEngine actor: its next ``commit`` finds its update dropped by an operator's abort (the
+    engine's own refusal: "no finished update of that version")."""
+    engine = actor.engine
+    commit = engine.commit
+
+    def refused(version, update_id=None):
+        engine.commit = commit
+        engine.abort()
+        return commit(version, update_id)
+
+    engine.commit = refused
+
+
+def test_returned_means_committed_on_every_member(fence_actors):
+    """``push`` returns only when every member engine committed: an engine that refuses its commit makes the
+    push raise ``SyncError`` naming it (it serves its previous version); the others committed."""
+    from sync_service.api import SyncConfig, SyncError, WeightSync
+
+    trainer, engines = fence_actors
+    sync = WeightSync(trainers=[trainer], engines=engines, config=SyncConfig(timeout_s=60, reset_versions=True))
+    try:
+        assert all(e.committed for e in sync.push(20).engines)
+        ray.get(engines[1].__ray_call__.remote(_refuse_next_commit), timeout=60)
+        with pytest.raises(SyncError, match=r"push\(21\) not committed on every member: engine fence1 did not "
+                                            r"commit.*version 20 stays served.*committed on: fence0") as err:
+            sync.push_async(21).result(120)
+        assert {e.engine: e.committed for e in err.value.metrics.engines} == {"fence0": True, "fence1": False}
+        assert ray.get([e.weight_version.remote() for e in engines], timeout=60) == [21, 20]
+        assert all(e.committed for e in sync.push(22).engines)  # the next push commits everywhere
+    finally:
+        sync.close()
+
+
+def test_add_engine_never_takes_an_engine_back(fence_actors, files):
+    """An engine serving a version above the fleet's is refused in one line naming both versions and
+    ``reset_versions``; ``continue_above`` admits it and the fleet's next push must go above it."""
+    from actors.launch import start_engines
+    from sync_service.api import SyncConfig, WeightSync
+
+    trainer, engines = fence_actors
+    (joiner,) = start_engines(files[0], 1, prefix="joiner", engine="memory")
+    ahead = WeightSync(trainers=[trainer], engines=[joiner], config=SyncConfig(timeout_s=60, reset_versions=True))
+    try:
+        ahead.push(50)
+    finally:
+        ahead.close()
+    fleet = WeightSync(trainers=[trainer], engines=engines[:1], config=SyncConfig(timeout_s=60, reset_versions=True))
+    try:
+        fleet.push(12)
+        with pytest.raises(ValueError, match=r"engine joiner0 serves version 50, above this fleet's 12.*reset_versions"):
+            fleet.add_engine(joiner)
+        assert ray.get(joiner.weight_version.remote(), timeout=60) == 50 and fleet.engine_versions() == {"fence0": 12}
+        fleet.add_engine(joiner, continue_above=True)
+        with pytest.raises(ValueError, match="joiner0 already serves version 50"):
+            fleet.push(13)
+        assert all(e.committed for e in fleet.push(51).engines)
+        assert fleet.engine_versions() == {"fence0": 51, "joiner0": 51}
+    finally:
+        fleet.close()
+        ray.kill(joiner)
+
+
 def test_endpoint_errors_are_one_line_and_name_the_endpoint():
     err = EndpointError("engine e0", "receive", "ProtocolError", "header.mac: missing or wrong HMAC")
     assert str(err) == "engine e0: receive failed: ProtocolError: header.mac: missing or wrong HMAC"

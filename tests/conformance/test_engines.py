@@ -83,6 +83,54 @@ def test_a_refused_commit_leaves_the_engine_ready_for_the_next_sync(case):
     assert case.served() == before
 
 
+FOREIGN = "0123456789abcdef"
+"""An update token no engine handed out (another sync's, or a forged one)."""
+
+
+def _finished(case, version: int, which: str, **begin) -> str | None:
+    """A full sync of ``versions[which]`` as ``version``, finished, not committed; the engine's update token
+    (``begin_update``'s answer, or for an engine that begins at the stream the one it reported then)."""
+    engine, values = case.engine, case.versions[which]
+    token = engine.begin_update(version, list(values), **begin)
+    for name, value in values.items():
+        for box in halves(value.shape):
+            engine.apply(name, box, value[tuple(slice(a, b) for a, b in box)])
+    engine.finish_update()
+    return token or getattr(engine, "update_id", None)
+
+
+def test_versions_are_fenced_at_the_engine(case):
+    """Every engine kind is the authority on its versions: a version at or below the served one is refused
+    (unless ``reset_versions``, explicit at the engine), whatever the caller checked; a commit or abort with a
+    token that is not the staged update's leaves that update alone; a second update is refused while one is
+    staged (where the engine begins at ``begin_update``)."""
+    engine = case.engine
+    served = case.push("a")
+    before = case.served()
+    for stale in (served, served - 1):
+        with pytest.raises(RuntimeError, match=f"\\({stale}\\) refused: this engine serves version {served}"):
+            _finished(case, stale, "b")
+        engine.abort()
+        assert engine.weight_version() == served and case.served() == before
+    version = case.next_version()
+    token = _finished(case, version, "b")
+    assert token
+    engine.abort(FOREIGN)  # another sync's abort: nothing happens
+    with pytest.raises(RuntimeError, match="is not the one staged"):
+        engine.commit(version, FOREIGN)
+    assert engine.weight_version() == served  # (vLLM holds generation from finish to commit: not asked here)
+    if engine.commit_gate is not None:  # the server adapter stages locally; the server begins at the stream
+        with pytest.raises(RuntimeError, match=f"begin_update\\({version + 1}\\) refused: version {version} is in "
+                                               f"progress"):
+            engine.begin_update(version + 1, list(case.versions["a"]))
+    engine.commit(version, token)  # the staged update survived all of it
+    assert engine.weight_version() == version and case.served() != before
+    reset = _finished(case, served, "a", reset_versions=True)  # back below, explicitly
+    engine.commit(served, reset)
+    assert engine.weight_version() == served and case.served() == before
+    case.next_version()  # the version numbers of later tests stay above the served one
+
+
 def test_commit_is_atomic_under_concurrent_generation(case):
     expected = {}
     va = case.push("a")

@@ -59,8 +59,9 @@ def test_memory_engine_commit_is_atomic_and_abort_keeps_old():
     eng.apply("w", ((0, 4), (0, 4)), torch.full((4, 4), 5.0))
     eng.abort()
     assert eng.state_dict()["w"].sum() == 8 and eng.weight_version() == 1
+    eng.begin_update(3, ["w"])
     with pytest.raises(ValueError, match="outside its shape"):
-        eng.begin_update(3, ["w"]) or eng.apply("w", ((0, 5), (0, 4)), torch.ones(5, 4))
+        eng.apply("w", ((0, 5), (0, 4)), torch.ones(5, 4))
     with pytest.raises(RuntimeError, match="no finished update"):
         eng.commit(3)
 

@@ -27,7 +27,8 @@ from protocols.interfaces import FinishReport, PauseMode
 from protocols.params import Box, ParamMeta, box_numel
 from sync_service.dtypes import wire_dtype
 from sync_service.engines.hf import GenerateResult
-from sync_service.engines.staging import check_box, refusal
+from sync_service.engines.commit_gate import CommitGate
+from sync_service.engines.staging import check_box
 from sync_service.engines.vllm.config import VLLMEngineConfig
 from sync_service.engines.vllm.families import check_family
 from sync_service.engines.vllm.gate import ServeGate
@@ -101,6 +102,10 @@ class VLLMEngine:
         self._version: int | None = None
         self._pending: int | None = None
         self._finished = False
+        self.commit_gate = CommitGate("VLLMEngine")
+        """The engine's version fence, update tokens and pre-commit checks (``engines.commit_gate``); the
+        checks run here, after the worker reloaded the touched modules (``extra["rpc"]``: ``collective_rpc``
+        into the worker, for a check that reads what the worker will serve)."""
 
     @classmethod
     def from_pretrained(cls, model_dir: str, **config: object) -> "VLLMEngine":
@@ -113,32 +118,51 @@ class VLLMEngine:
     def weight_version(self) -> int | None:
         return self._version
 
-    # -- update lifecycle ------------------------------------------------------------------
-    def begin_update(self, version: int, names: Sequence[str]) -> None:
-        """Stage buffers for ``names`` in the worker; with ``PauseMode.WAIT`` also hold generation.
+    def served_digests(self, names: Sequence[str] | None = None, values: bool = False) -> tuple[int | None, list[list]]:
+        """``(version, rows)``: the committed version and, per tensor the worker serves, ``[name, dtype, shape,
+        xxh3_64, source, bytes | None]`` (``served.served_rows``), read between generations while no update is
+        being made live (the serve gate), so all of one version.
 
         Raises:
-            RuntimeError: an update is already in progress.
+            KeyError: a name not served here. TimeoutError: an update held the gate past ``pause_timeout_s``.
+        """
+        with self._gate.serving():
+            version = self._version
+            rows = self._rpc("ws_served", None if names is None else list(names), values)
+        return version, rows
+
+    # -- update lifecycle ------------------------------------------------------------------
+    def begin_update(self, version: int, names: Sequence[str], *, reset_versions: bool = False) -> str:
+        """Stage buffers for ``names`` in the worker; with ``PauseMode.WAIT`` also hold generation. Returns the
+        update token (``CommitGate.begin``).
+
+        Raises:
+            UpdateInProgressError: an update is already in progress. VersionFenceError: ``version`` is not above
+                the served one (without ``reset_versions``).
             KeyError: a name is not in the table (nothing staged).
             TimeoutError: ``WAIT`` and running generations did not finish in time.
         """
-        if self._pending is not None:
-            raise RuntimeError(f"begin_update({version}) while version {self._pending} is in progress; commit or abort it first")
         unknown = sorted(set(names) - self._by_name.keys())
         if unknown:
             raise KeyError(
                 f"names not in the vLLM engine's parameter table (hf naming): {unknown[:5]} ({len(unknown)} in all); "
                 "send tensors under the keys save_pretrained writes"
             )
-        self._rpc("ws_begin", version, list(names))
+        update_id = self.commit_gate.begin(version, reset_versions=reset_versions)
+        try:
+            self._rpc("ws_begin", version, list(names))
+        except BaseException:
+            self.commit_gate.dropped(update_id)
+            raise
         self._pending, self._finished = version, False
         self._applied = dict.fromkeys(names, 0)
         if self._config.pause_mode is PauseMode.WAIT:
             try:
                 self._gate.close()
             except BaseException:
-                self.abort()
+                self.abort(update_id)
                 raise
+        return update_id
 
     def apply(self, name: str, box: Box, data: torch.Tensor) -> None:
         """Copy ``data`` into ``box`` of ``name`` in the worker's staging (served weights untouched).
@@ -174,42 +198,48 @@ class VLLMEngine:
             raise RuntimeError("finish_update needs exactly one begin_update before it")
         bad = {n: (a, math.prod(self._by_name[n].shape)) for n, a in self._applied.items() if a != math.prod(self._by_name[n].shape)}
         if bad:
-            self.abort()
+            self.abort(self.commit_gate.staged_id)
             detail = ", ".join(f"{n}: {a}/{t}" for n, (a, t) in list(bad.items())[:5])
             raise ValueError(f"incomplete update, elements applied/expected: {detail} ({len(bad)} tensors); update aborted")
         self._gate.close()
         try:
             stats = self._rpc("ws_finish")
         except BaseException:
-            self.abort()
+            self.abort(self.commit_gate.staged_id)
             raise
+        self.commit_gate.vote(self.abort, list(self._applied), self._applied, extra={"rpc": self._rpc})
         self._finished = True
         return FinishReport(**stats)
 
-    def commit(self, version: int) -> None:
+    def commit(self, version: int, update_id: str | None = None) -> None:
         """Make ``version`` current, drop prefix caches computed under the old one, reopen generation.
 
         Raises:
-            RuntimeError: ``version`` is not the finished update in progress; that update is dropped then
-                (``abort``: the served version stays, the next sync begins cleanly).
+            CommitRefused (a RuntimeError), as ``CommitGate.admit_commit``: another update's token (nothing
+                changes); or ``version`` is not the finished update in progress or not above the served one:
+                that update is dropped then (``abort``: the served version stays, the next sync begins cleanly).
         """
-        if self._pending != version or not self._finished:
-            refused = refusal(version, self._pending, self._finished, self._version)
-            self.abort()
-            raise RuntimeError(refused)
+        self.commit_gate.admit_commit(version, update_id, finished=self._finished, abort=self.abort)
         self._rpc("ws_commit", version)
         self._reset_prefix_cache()
         self._version, self._pending, self._finished = version, None, False
+        self.commit_gate.committed(version)
         self._gate.open()
 
-    def abort(self) -> None:
-        """Drop the update; if ``finish_update`` already rewrote modules, reload the served version. Idempotent."""
+    def abort(self, update_id: str | None = None) -> bool:
+        """Drop the update whose token is ``update_id`` (``None``: whatever is staged); if ``finish_update``
+        already rewrote modules, reload the served version. Another update's token does nothing. Returns
+        whether an update was dropped. Idempotent."""
+        if not self.commit_gate.owns(update_id):
+            return False
         try:
             if self._rpc("ws_abort"):
                 self._reset_prefix_cache()
         finally:
             self._pending, self._finished = None, False
+            self.commit_gate.dropped(update_id)
             self._gate.open()
+        return True
 
     def reset_caches(self) -> None:
         """Drop vLLM's prefix cache (KV blocks computed under an older version). ``commit`` already does.

@@ -77,12 +77,24 @@ class FusedVLLMEngine:
     def weight_version(self) -> int | None:
         return self.engine.weight_version()
 
-    def begin_update(self, version: int, names: Sequence[str]) -> None:
+    def served_digests(self, names: Sequence[str] | None = None, values: bool = False) -> tuple[int | None, list[list]]:
+        """The wrapped engine's read back (``VLLMEngine.served_digests``: vLLM's names, checkpoint copies)."""
+        return self.engine.served_digests(names, values)
+
+    @property
+    def commit_gate(self):
+        """The wrapped engine's ``CommitGate`` (its version fence, update tokens and pre-commit checks)."""
+        return self.engine.commit_gate
+
+    def begin_update(self, version: int, names: Sequence[str], *, reset_versions: bool = False) -> str:
+        """The wrapped engine's ``begin_update`` over the pieces of ``names``; returns its update token."""
         unknown = sorted(set(names) - self._by_name.keys())
         if unknown:
             raise KeyError(f"names not in the vLLM engine's hf-fused table: {unknown[:5]} ({len(unknown)} in all)")
-        self.engine.begin_update(version, [p.name for n in names for p in self._pieces[n]])
+        update_id = self.engine.begin_update(version, [p.name for n in names for p in self._pieces[n]],
+                                             reset_versions=reset_versions)
         self._announced = len(set(names))
+        return update_id
 
     def apply(self, name: str, box: Box, data: torch.Tensor) -> None:
         meta = self._by_name.get(name)
@@ -105,11 +117,11 @@ class FusedVLLMEngine:
         """The engine's report, with ``tensors`` counted in this adapter's (hf-fused) naming."""
         return dataclasses.replace(self.engine.finish_update(), tensors=self._announced)
 
-    def commit(self, version: int) -> None:
-        self.engine.commit(version)
+    def commit(self, version: int, update_id: str | None = None) -> None:
+        self.engine.commit(version, update_id)
 
-    def abort(self) -> None:
-        self.engine.abort()
+    def abort(self, update_id: str | None = None) -> bool:
+        return self.engine.abort(update_id)
 
     def reset_caches(self) -> None:
         self.engine.reset_caches()

@@ -32,7 +32,7 @@ from protocols.wire import SyncPlan
 from protocols.wire_check import decode
 from sync_service.coordinator.planning import validate_plan
 from sync_service.engines.vllm_server.staging import fused_worker_engine
-from sync_service.engines.vllm_server.wire import InitInfo, verify_command
+from sync_service.engines.vllm_server.wire import InitInfo, command_op, verify_command
 from sync_service.streaming.receiver import ApplyStats, BucketReceiver
 from sync_service.transports import TransportSpec, open_receiver
 
@@ -48,12 +48,33 @@ class WeightsyncInitInfo(InitInfo, WeightTransferInitInfo):
 class WeightsyncUpdateInfo(WeightTransferUpdateInfo):
     timeout_s: float = 120.0
     """Longest wait for the whole sync, seconds."""
+    reset_versions: bool = False
+    """Begin the update with ``reset_versions`` (a version at or below the served one; ``engines.commit_gate``)."""
+
+
+def _command_fields(op: str, body: str) -> dict:
+    """The arguments of an authenticated ``commit`` (``version``, ``update_id``) or ``abort`` (``update_id``).
+
+    Raises:
+        ValueError: the body is not a JSON object with them.
+    """
+    import json
+
+    try:
+        msg = json.loads(body)
+        fields = {k: msg[k] for k in (("version", "update_id") if op == "commit" else ("update_id",)) if k in msg}
+        if op == "commit" and (type(fields.get("version")) is not int or not isinstance(fields.get("update_id"), str)):
+            raise KeyError("version")
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"command {op!r}: body must be a JSON object with nonce, mac"
+                         f"{', version (int), update_id (str)' if op == 'commit' else ', update_id'}") from None
+    return fields
 
 
 def _stats(s: ApplyStats) -> dict:
     return {"version": s.version, "buckets": s.buckets, "entries": s.entries, "payload_bytes": s.payload_bytes,
             "wait_s": s.wait_s, "verify_s": s.verify_s, "apply_s": s.apply_s, "finish_s": s.finish_s,
-            "modules": s.modules, "total_s": s.total_s}
+            "modules": s.modules, "total_s": s.total_s, "update_id": s.update_id}
 
 
 class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdateInfo]):
@@ -109,7 +130,8 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         """One whole sync, staged and reloaded, acked to the trainers, not committed. On failure the
         served weights are the previous version's and the error is kept for ``status``."""
         try:
-            self._received = self._receiver.receive_sync(self._transport, timeout_s=float(update_info.timeout_s))
+            self._received = self._receiver.receive_sync(self._transport, timeout_s=float(update_info.timeout_s),
+                                                         reset_versions=bool(update_info.reset_versions))
         except BaseException as exc:
             self._error = f"{type(exc).__name__}: {exc}"
             raise
@@ -117,8 +139,8 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
     def finish_weight_update(self) -> None:
         """Commit the received version; nothing when the sync was aborted or failed."""
         if self._received is not None:
-            self._engine().commit(self._received.version)
-            self._received = None
+            received, self._received = self._received, None
+            self._engine().commit(received.version, received.update_id or None)
 
     def shutdown(self) -> None:
         if self._transport is not None:
@@ -138,11 +160,21 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         if op == "status":
             received = None if self._received is None else _stats(self._received)
             return {"version": self._engine().weight_version(), "received": received, "error": self._error}
-        if op == "abort":
-            self._nonce = verify_command(self._secret, op, body, self._nonce)
-            self._engine().abort()
-            self._received = None
-            return {"aborted": True}
+        if op in ("commit", "abort"):
+            fields = _command_fields(op, body)
+            self._nonce = verify_command(self._secret, command_op(op, fields), body, self._nonce)
+            token = fields.get("update_id") or None
+            if op == "commit":
+                try:
+                    self._engine().commit(int(fields["version"]), token)  # the server's CommitGate decides
+                finally:
+                    if self._received is not None and self._received.update_id == token:
+                        self._received = None
+                return {"committed": int(fields["version"])}
+            aborted = self._engine().abort(token)  # another update's token: nothing happens
+            if self._received is not None and (token is None or self._received.update_id == token):
+                self._received = None
+            return {"aborted": bool(aborted)}
         raise ValueError(f"unknown weightsync command {op!r}; use table, status or abort")
 
     def _engine(self):

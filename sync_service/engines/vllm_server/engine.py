@@ -24,14 +24,14 @@ resume. ``PauseMode.KEEP`` is refused: vLLM's "keep" resumes frozen requests on 
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from protocols.interfaces import PauseMode
-from sync_service.engines.staging import refusal
 from sync_service.engines.vllm_server.client import ServerClient, ServerRequestError, ServerSetupError
-from sync_service.engines.vllm_server.wire import BACKEND, COMMAND_METHOD, InitInfo, command_body
+from sync_service.engines.vllm_server.wire import BACKEND, COMMAND_METHOD, InitInfo, command_body, command_op
 from sync_service.transports import TransportSpec
 
 __all__ = ["ServerGeneration", "VLLMServerConfig", "VLLMServerEngine"]
@@ -89,6 +89,7 @@ class VLLMServerEngine:
         self._secret: bytes | None = None
         self._nonce = time.time_ns()  # increasing across handles of one server
         self._active = False  # a start_weight_update the server has not finished
+        self._update_id = ""  # the server's token of the update this handle's last receive staged
         self._model = self._check_server()
 
     def _check_server(self) -> str:
@@ -131,8 +132,10 @@ class VLLMServerEngine:
     def close_transport(self) -> None:
         self._client.post("/shutdown_weight_transfer_engine")
 
-    def receive(self, timeout_s: float) -> dict:
-        """Pause, then receive one whole sync into the server (staged, reloaded, acked; not committed).
+    def receive(self, timeout_s: float, reset_versions: bool = False) -> dict:
+        """Pause, then receive one whole sync into the server (staged, reloaded, acked; not committed). The
+        report carries the server's update token (``update_id``: ``commit`` / ``abort`` act with it);
+        ``reset_versions``: the server takes a version at or below the one it serves (``engines.commit_gate``).
 
         Raises:
             ServerRequestError: the sync failed in the server (its error; the server serves the
@@ -144,7 +147,8 @@ class VLLMServerEngine:
         self._client.post("/start_weight_update")
         self._active = True
         try:
-            self._client.post("/update_weights", {"update_info": {"timeout_s": timeout_s}}, timeout_s=timeout_s + 30)
+            self._client.post("/update_weights", {"update_info": {"timeout_s": timeout_s, "reset_versions": reset_versions}},
+                              timeout_s=timeout_s + 30)
         except ServerRequestError as exc:
             self._active = False  # vLLM ends the update session when update_weights raises
             error = self.status().get("error")
@@ -152,32 +156,45 @@ class VLLMServerEngine:
                 raise type(exc)(self.config.url, f"{self.name}: sync failed in the server: {error}") from None
             raise
         received = self.status().get("received") or {}
-        return {"engine": self.name, **{k: received.get(k, 0) for k in (
+        self._update_id = str(received.get("update_id") or "")
+        return {"engine": self.name, "update_id": self._update_id, **{k: received.get(k, 0) for k in (
             "version", "buckets", "entries", "payload_bytes", "wait_s", "verify_s", "apply_s", "finish_s", "total_s")}}
 
-    def commit(self, version: int) -> None:
-        """``/finish_weight_update`` with ``version``, prefix-cache reset, resume.
+    def commit(self, version: int, update_id: str | None = None) -> None:
+        """Commit the update of ``update_id`` (``None``: the one this handle's last ``receive`` staged) as
+        ``version`` in the server's worker — its ``CommitGate`` decides (the token must be the staged
+        update's, the version the one received and above the served one) — then ``/finish_weight_update``
+        with ``version`` (vLLM's label), prefix-cache reset, resume.
 
         Raises:
-            RuntimeError: the server holds no received sync of ``version`` (a replayed or stale commit);
-                what it holds is aborted then (the served version stays, the next sync begins cleanly).
+            RuntimeError: the server refused (a replayed or stale commit, a token that is not the staged
+                update's): this handle's own update is aborted then (the served version stays, the next sync
+                begins cleanly); another handle's update is never touched.
         """
-        status = self.status()
-        staged = (status.get("received") or {}).get("version")
-        if not self._active or staged != version:
-            refused = refusal(version, staged, staged is not None, status.get("version"))
-            self.abort()
-            raise RuntimeError(f"{self.name}: {refused}")
-        self._client.post("/finish_weight_update", {"weight_version": str(version)})
-        self._active = False
+        token = update_id or self._update_id
+        try:
+            self._command("commit", authenticated=True, fields={"version": version, "update_id": token})
+        except ServerRequestError as exc:
+            if "is not the one staged" not in str(exc):  # another update's token: the staged one is kept
+                self.abort(token)
+            raise RuntimeError(f"{self.name}: {exc}") from None
+        if self._active:
+            self._client.post("/finish_weight_update", {"weight_version": str(version)})
+            self._active = False
+        self._update_id = ""
         self._reopen()
 
-    def abort(self) -> None:
-        """Drop the received sync (the server reloads its served version), close vLLM's update, resume."""
+    def abort(self, update_id: str | None = None) -> None:
+        """Drop the update of ``update_id`` (``None``: this handle's last received one; the server reloads its
+        served version; another update's token does nothing there), close vLLM's update, resume."""
+        token = update_id or self._update_id
         if self._active:
-            self._command("abort", authenticated=True)
+            if token:
+                self._command("abort", authenticated=True, fields={"update_id": token})
             self._client.post("/finish_weight_update", {})
             self._active = False
+        if token == self._update_id:
+            self._update_id = ""
         self._reopen()
 
     def reset_caches(self) -> None:
@@ -213,11 +230,14 @@ class VLLMServerEngine:
         self._client.post("/resume")
 
 
-    def _command(self, op: str, *, authenticated: bool = False) -> object:
+    def _command(self, op: str, *, authenticated: bool = False, fields: dict | None = None) -> object:
+        """``fields``: arguments of an authenticated command (``version``, ``update_id``), covered by its mac
+        (``wire.command_op``)."""
         body = ""
         if authenticated:
             self._nonce += 1
-            body = command_body(self._secret, op, self._nonce)
+            body = json.dumps({**json.loads(command_body(self._secret, command_op(op, fields), self._nonce)),
+                               **(fields or {})})
         answer = self._client.post("/collective_rpc", {"method": COMMAND_METHOD, "args": [op, body]})
         results = (answer or {}).get("results") or [None]
         if len(results) != 1:

@@ -17,8 +17,9 @@ from collections.abc import Sequence
 import torch
 
 from protocols.interfaces import FinishReport
-from protocols.params import Box, ParamMeta
+from protocols.params import Box, ParamMeta, box_numel
 from sync_service.dtypes import wire_dtype
+from sync_service.engines.commit_gate import CommitGate
 from sync_service.engines.vllm.fused import FusedVLLMEngine
 from sync_service.engines.vllm.worker import WorkerSync
 
@@ -40,6 +41,12 @@ class WorkerEngine:
         self._metas = tuple(ParamMeta(n, d, tuple(s)) for n, d, s in sync.table())
         self._dtypes = {m.name: m.dtype for m in self._metas}
         self._version: int | None = None
+        self._finished = False
+        self._applied: dict[str, int] = {}
+        self.commit_gate = CommitGate("vLLM server worker")
+        """The server's version fence, update tokens and pre-commit checks (``engines.commit_gate``): the
+        server's own authority, whichever handle or ``WeightSync`` talks to it. ``extra["sync"]``: the
+        worker's ``WorkerSync`` (its checkpoint store holds what the server will serve)."""
 
     def param_metas(self) -> Sequence[ParamMeta]:
         return self._metas
@@ -47,24 +54,49 @@ class WorkerEngine:
     def weight_version(self) -> int | None:
         return self._version
 
-    def begin_update(self, version: int, names: Sequence[str]) -> None:
-        self._sync.begin(version, names)
+    def begin_update(self, version: int, names: Sequence[str], *, reset_versions: bool = False) -> str:
+        """Returns the update token (``CommitGate.begin``; raises its refusals, nothing staged)."""
+        update_id = self.commit_gate.begin(version, reset_versions=reset_versions)
+        try:
+            self._sync.begin(version, names)
+        except BaseException:
+            self.commit_gate.dropped(update_id)
+            raise
+        self._finished, self._applied = False, dict.fromkeys(names, 0)
+        return update_id
 
     def apply(self, name: str, box: Box, data: torch.Tensor) -> None:
         want = self._dtypes.get(name)
         if want is not None and wire_dtype(data.dtype) != want:
             raise ValueError(f"data for {name!r} is {data.dtype}, the server holds {want}; cast on the trainer side")
         self._sync.apply(name, box, data)
+        if name in self._applied:
+            self._applied[name] += box_numel(box)
 
     def finish_update(self) -> FinishReport:
-        return FinishReport(**self._sync.finish())
+        report = FinishReport(**self._sync.finish())
+        self.commit_gate.vote(self.abort, list(self._applied), self._applied, extra={"sync": self._sync})
+        self._finished = True
+        return report
 
-    def commit(self, version: int) -> None:
+    def commit(self, version: int, update_id: str | None = None) -> None:
+        """Raises CommitRefused as ``CommitGate.admit_commit`` (a refusal of its own update drops it)."""
+        self.commit_gate.admit_commit(version, update_id, finished=self._finished, abort=self.abort)
         self._sync.commit(version)
-        self._version = version
+        self._version, self._finished = version, False
+        self.commit_gate.committed(version)
 
-    def abort(self) -> None:
-        self._sync.abort()
+    def abort(self, update_id: str | None = None) -> bool:
+        """Drop the update whose token is ``update_id`` (``None``: whatever is staged), reloading the served
+        values; another update's token does nothing. Returns whether one was dropped."""
+        if not self.commit_gate.owns(update_id):
+            return False
+        try:
+            self._sync.abort()
+        finally:
+            self._finished = False
+            self.commit_gate.dropped(update_id)
+        return True
 
     def reset_caches(self) -> None:
         """Nothing in the worker: the prefix cache is the scheduler's (reset over HTTP by the handle)."""

@@ -84,6 +84,12 @@ def command_body(secret: bytes | None, op: str, nonce: int) -> str:
     return json.dumps({"nonce": nonce, "mac": command_mac(secret or b"", op, nonce)})
 
 
+def command_op(op: str, fields: dict | None) -> str:
+    """What an authenticated command's mac covers: ``op`` and its arguments (``fields``, canonical JSON), so
+    a commit's version and update token cannot be altered in transit."""
+    return op if not fields else f"{op}\n{json.dumps(fields, sort_keys=True)}"
+
+
 def verify_command(secret: bytes | None, op: str, body: str, last_nonce: int) -> int:
     """The command's nonce if its mac is right and the nonce is new.
 
