@@ -25,8 +25,9 @@ def tiny_model(seed: int) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(cfg).eval()
 
 
-def push_all(engine: HFEngine, version: int, state: dict[str, torch.Tensor], *, commit: bool = True) -> None:
-    engine.begin_update(version, list(state))
+def push_all(engine: HFEngine, version: int, state: dict[str, torch.Tensor], *, commit: bool = True,
+             reset_versions: bool = False) -> None:
+    engine.begin_update(version, list(state), reset_versions=reset_versions)
     for name, value in state.items():
         # two boxes along dim 0 where possible, to exercise box offsets
         n0 = value.shape[0]
@@ -119,7 +120,7 @@ def test_generation_racing_commits_sees_one_version():
         deadline, i = time.monotonic() + 120, 0
         while i < 6 or (len(results) < 3 and time.monotonic() < deadline):
             v = 1 + (i % 2 == 0)
-            push_all(engine, v, weights[v])
+            push_all(engine, v, weights[v], reset_versions=True)  # versions 1, 2 label two weight sets: back and forth
             i += 1
     finally:
         stop.set()
