@@ -184,6 +184,9 @@ def main(argv: list[str] | None = None, *, launcher=None) -> int:
         parser.exit(EXIT_BAD_INPUT, f"weightsync {args.command}: error: unrecognized arguments: {' '.join(unknown)} "
                                     f"(see weightsync {args.command} --help)\n")
     args.launcher = launcher if launcher is not None else _NoLauncher(args.command)
+    from sync_service.entrypoints.progress import set_command
+
+    set_command(f"weightsync {args.command}")  # the prefix of the progress log lines off a terminal
     try:
         with _sigterm_interrupts():
             return int(importlib.import_module(args._module).run(args) or 0)

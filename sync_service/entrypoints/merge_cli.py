@@ -82,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from sync_service.merge.dcp import resolve_inputs
+    from sync_service.entrypoints.progress import Steps
     from sync_service.entrypoints.workdir import run_root
     from sync_service.merge.export import merge_checkpoint
     from sync_service.merge.export_fp8 import Fp8Options
@@ -94,18 +95,25 @@ def run(args: argparse.Namespace) -> int:
     fp8 = None
     if args.weight_block_size is not None or args.scale_fmt is not None:
         fp8 = Fp8Options(weight_block_size=args.weight_block_size or (128, 128), scale_fmt=args.scale_fmt or "float")
+    # on a terminal, a bar names the seconds of reading (PEFT's import, the headers, the factors) before the merge's
+    # own bar; never elsewhere: stderr off a terminal holds the FP8 report and errors only
+    reading = Steps(1, enabled=not args.no_progress and sys.stderr.isatty())
     try:
         with tempfile.TemporaryDirectory(prefix="wsync-dcp", dir=run_root()) as tmp:
+            reading.step("reading the base and the adapter")
             base, adapter = resolve_inputs(Path(args.base), None if args.adapter is None else Path(args.adapter), Path(tmp))
             summary = merge_checkpoint(
                 base, adapter, args.out, target=args.target, dtype=args.dtype,
                 max_shard_bytes=args.max_shard_size, staging_bytes=args.staging_size,
                 accumulate_dtype=args.accumulate_dtype, quantize=args.quantize, fp8=fp8,
-                progress=False if args.no_progress else None,
+                progress=False if args.no_progress else None, on_merge=reading.close,
             )
     except MergeError as exc:
+        reading.close()
         print(f"weightsync merge: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        reading.close()
     if "quantized" in summary:
         print(fp8_report(summary, fp8.weight_block_size if fp8 else (128, 128)), file=sys.stderr)
     print(json.dumps(summary))

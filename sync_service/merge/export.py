@@ -19,6 +19,8 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -196,6 +198,7 @@ def merge_checkpoint(
     accumulate_dtype: str = "float32",
     quantize: str | None = None,
     fp8: Fp8Options | None = None,
+    on_merge: Callable[[], None] | None = None,
 ) -> dict:
     """Merge a PEFT LoRA adapter into a safetensors checkpoint and write the result.
 
@@ -213,16 +216,13 @@ def merge_checkpoint(
         fp8: block size and scale format for ``quantize="fp8"`` (default ``Fp8Options()``: 128x128, float32 scales).
         max_shard_bytes: largest shard, bytes (a single larger tensor gets a shard of its own).
         progress: tqdm bar; ``None`` shows it when stderr is a terminal.
+        on_merge: called once everything is read and checked, as the merge starts (the CLI closes its reading bar).
 
     Returns:
-        ``{"tensors": n, "bytes": total, "shards": k, "seconds": t, "setup_seconds": t0, "changed": c}``:
-        ``tensors`` and ``changed`` count tensors as written to disk (``changed``: those the adapter
-        alters, e.g. every per-expert key of a fused expert tensor with LoRA; ``tensors`` counts FP8 scales
-        too, and a quantized merge adds ``"quantized"``: the FP8 weights written, ``"quantizable"``: the weights
-        of the modules transformers quantizes, of which the block divides ``"quantized"``, and ``"unquantized"``:
-        ``{"example": "name [shape]", "block_hint": "r,c", "dtype": their dtype}`` when some are left unquantized); ``seconds`` is the whole
-        call, ``setup_seconds`` its validation and adapter loading (which imports PEFT, seconds on a
-        cold start) before the first shard is merged.
+        ``{"tensors": n, "bytes": total, "shards": k, "seconds": t, "setup_seconds": t0, "changed": c}``, counted as
+        written to disk (``changed``: those the adapter alters, e.g. every per-expert key of a fused expert tensor
+        with LoRA; ``tensors`` counts FP8 scales too); ``setup_seconds``: validation and adapter loading (PEFT's
+        import: seconds on a cold start). A quantized merge adds ``_fp8_counts``' keys and ``"quantized"``.
 
     Raises:
         MergeError: any bad input, or ``out_dir`` exists and is not empty, or a merged value is NaN
@@ -235,19 +235,27 @@ def merge_checkpoint(
     check_quantize(quantize, fp8)
     fp8 = (fp8 or Fp8Options()) if quantize else None
     base, dtype = _open_base(base_dir, adapter_dir, dtype, quantize)
-    adapter = (LoraAdapter() if adapter_dir is None  # the base as is: cast, or an FP8 copy with quantize
-               else load_adapter(adapter_dir, base.layout, base.metas(), tied_aliases=base.tied_aliases))
-    quantized = quantized_names(base.config, fp8) if fp8 else frozenset()
-    config = MergeConfig(out_dtype=dtype, staging_bytes=staging_bytes, check_finite=True, accumulate_dtype=accumulate_dtype,
-                         out_dtypes={name: accumulate_dtype for name in quantized})
-    source = MergedSource(base, adapter, config=config)
-    writer = Fp8Writer(source, fp8, quantized, TORCH_DTYPES[dtype]) if fp8 else _PlainWriter(source)
+    source, writer = _source_and_writer(base, adapter_dir, dtype, fp8, MergeConfig(
+        out_dtype=dtype, staging_bytes=staging_bytes, check_finite=True, accumulate_dtype=accumulate_dtype))
     shards = _plan_shards(source, writer, target, max_shard_bytes)
     if fp8 is not None:
         _check_something_quantized(writer, shards, fp8)
     setup_s = time.perf_counter() - t0
+    if on_merge is not None:
+        on_merge()
     total = _write_output(source, writer, target, shards, base_dir, out_dir, dtype, progress, fp8)
     return _summary(source, writer, shards, total, time.perf_counter() - t0, setup_s)
+
+
+def _source_and_writer(base, adapter_dir: Path | None, dtype: str | None, fp8: Fp8Options | None, config: MergeConfig):
+    """The merge's ``MergedSource`` over ``base`` and the adapter (none: the base as is, cast or an FP8 copy), and its
+    writer (``Fp8Writer`` with ``fp8``: transformers' quantized names merged in the accumulation dtype)."""
+    adapter = (LoraAdapter() if adapter_dir is None
+               else load_adapter(adapter_dir, base.layout, base.metas(), tied_aliases=base.tied_aliases))
+    quantized = quantized_names(base.config, fp8) if fp8 else frozenset()
+    config = replace(config, out_dtypes={name: config.accumulate_dtype for name in quantized})
+    source = MergedSource(base, adapter, config=config)
+    return source, (Fp8Writer(source, fp8, quantized, TORCH_DTYPES[dtype]) if fp8 else _PlainWriter(source))
 
 
 def _check_something_quantized(writer, shards: list[list[tuple[str, Piece]]], fp8: Fp8Options) -> None:
@@ -274,7 +282,10 @@ def _block_hint(pieces: list[tuple[str, Piece]]) -> str:
 
 
 def _fp8_counts(writer, pieces: list[tuple[str, Piece]]) -> dict:
-    """The summary's ``quantizable`` / ``unquantized`` of a quantized merge (``merge_checkpoint``)."""
+    """The summary's keys of a quantized merge (``merge_checkpoint``) beside ``"quantized"`` (the FP8 weights
+    written): ``"quantizable"``, the weights of the modules transformers quantizes (the block divides
+    ``"quantized"`` of them), and when some are left unquantized ``"unquantized"``: ``{"example": "name [shape]",
+    "block_hint": "r,c" (a block that divides them all), "dtype": the dtype they are written in}``."""
     quantizable = [(n, p) for n, p in pieces if n in writer.quantized]
     left = [(n, p) for n, p in quantizable if len(writer.outputs(n, p)) == 1]
     out = {"quantizable": len(quantizable)}

@@ -33,6 +33,13 @@ def test_sync_from_an_fp8_base_verifies_bitwise(fp8_base, tmp_path, engine_base,
     rc, err, _ = weightsync(["sync", "--base", str(fp8), "--adapter", str(lora), "--ep", "1", "--engines", "1", *extra,
                              "--versions", "2", "--accumulate-dtype", "float64", "--json", str(out)], ray_allowed=True)
     assert rc == 0, err[-3000:]
+    # stderr is a pipe here: one log line per phase (issue: nothing was printed off a terminal before the table)
+    phases = [ln.split(": ", 2)[2].rsplit(" (", 1)[0] for ln in err.splitlines() if ln.startswith("weightsync sync: step ")]
+    assert phases == ["starting a local Ray (2 CPUs)",
+                      "starting 1 trainer shard(s) (ep=1, tp=1) and 1 engine(s)",
+                      "planning, validating the plan against every engine",
+                      "version 0: training step, push", "version 0: verify",
+                      "version 1: training step, push", "version 1: verify"], err[-3000:]
     doc = json.loads(out.read_text())
     assert doc["ok"] and len(doc["versions"]) == 2
     for row in doc["versions"]:

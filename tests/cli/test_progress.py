@@ -70,9 +70,10 @@ def test_merge_draws_its_bar_on_a_terminal_only(files, tmp_path):
     rc, out, term = weightsync([*argv, str(tmp_path / "tty")], terminal=True)
     tensors = json.loads(out)["tensors"]
     assert rc == 0 and f"merge: 100%" in term and f"{tensors}/{tensors}" in term, term
+    assert "reading the base and the adapter" in term, term  # the seconds before the merge's own bar
     rc, out, err = weightsync([*argv, str(tmp_path / "pipe")], terminal=False)
     assert rc == 0 and json.loads(out)["tensors"] == tensors
-    assert "merge:" not in err and "it/s" not in err and "\r" not in err, err
+    assert "merge:" not in err and "it/s" not in err and "\r" not in err and "reading" not in err, err
 
 
 def test_steps_draw_every_step_on_an_unsized_terminal_only(monkeypatch):
@@ -103,6 +104,37 @@ def test_steps_draw_every_step_on_an_unsized_terminal_only(monkeypatch):
         assert f"{i}/{len(names)} {name}" in term, f"step {i} not drawn: {term!r}"
     pipe = io.StringIO()
     monkeypatch.setattr(sys, "stderr", pipe)
-    with Steps(len(names)) as steps:
+    with Steps(len(names), command="weightsync sync") as steps:
+        for name in names:
+            steps.step(name)
+    lines = pipe.getvalue().splitlines()  # off a terminal: one log line per step, no bar
+    assert [re.sub(r" \(\d+\.\d s in\)$", "", ln) for ln in lines] == [
+        f"weightsync sync: step {i + 1}/{len(names)}: {name}" for i, name in enumerate(names)], lines
+    assert "\r" not in pipe.getvalue()
+    pipe.truncate(0)
+    with Steps(len(names), enabled=False) as steps:  # --no-progress: nothing
         steps.step(names[0])
     assert pipe.getvalue() == ""
+
+
+def test_a_long_step_ticks_its_elapsed_time_on_a_terminal(monkeypatch):
+    """Ray's start or an engine's model load is one step of tens of seconds: the bar redraws while it runs."""
+    import select
+    import time
+
+    from sync_service.entrypoints import progress
+
+    monkeypatch.setattr(progress, "TICK_S", 0.05)
+    master, slave = os.openpty()
+    tty = os.fdopen(slave, "w")
+    monkeypatch.setattr(sys, "stderr", tty)
+    seen = b""
+    with progress.Steps(2) as steps:
+        steps.step("starting a local Ray (2 CPUs)")
+        deadline = time.monotonic() + 60
+        while seen.count(b"starting a local Ray") < 3:  # the first draw, then redraws with no step taken
+            assert time.monotonic() < deadline, f"no redraw while the step ran: {seen!r}"
+            if select.select([master], [], [], 1.0)[0]:
+                seen += os.read(master, 1 << 16)
+    tty.close()
+    os.close(master)
