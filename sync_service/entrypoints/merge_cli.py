@@ -8,6 +8,7 @@ import os
 import re
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from sync_service.merge.errors import MergeError
@@ -55,11 +56,18 @@ def max_threads() -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base", required=True, help="base checkpoint directory (config.json + *.safetensors; a block-FP8 "
                                                       "one is dequantized, merged, requantized), or a "
-                                                      "torch.distributed.checkpoint directory with its config.json (docs/merge.md)")
+                                                      "torch.distributed.checkpoint directory with its config.json (docs/merge.md), or a "
+                                                      "Megatron-Core torch_dist checkpoint with Megatron-Bridge LoRA (with --hf-config)")
     parser.add_argument("--adapter", default=None, help="PEFT LoRA adapter directory (adapter_config.json + adapter_model"
                                                         ".safetensors), or a DCP directory of the PEFT model (docs/merge.md); "
                                                         "without it the base itself is written (with --quantize fp8: an FP8 "
                                                         "copy of the base; with --dtype: cast)")
+    parser.add_argument("--hf-config", default=None, metavar="DIR",
+                        help="with a Megatron-Core torch_dist --base: the HF model directory it was converted from "
+                             "(config.json; its weights where the checkpoint holds only the LoRA) (docs/integrate.md)")
+    parser.add_argument("--lora-alpha", default=None, type=float,
+                        help="with a torch_dist --base and no Megatron-Bridge run_config.yaml beside it: the LoRA alpha "
+                             "it was trained with (the merge is W + alpha/dim * linear_out @ linear_in)")
     parser.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
     parser.add_argument("--target", default="hf", choices=sorted(TARGETS), help="output naming (default: hf, as save_pretrained)")
     parser.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"], help="output dtype (default: the base's; with --quantize, of the tensors left unquantized: bfloat16)")
@@ -78,9 +86,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
 
 
+def _megatron_inputs(args: argparse.Namespace, tmp: Path) -> tuple[Path, Path]:
+    """(base dir, PEFT adapter dir) of a Megatron-Core torch_dist ``--base`` (``sync_service/megatron/torch_dist.py``)."""
+    from sync_service.megatron.torch_dist import hf_dirs
+
+    if args.adapter is not None:
+        raise MergeError(f"--adapter {args.adapter}: a torch_dist --base holds its Megatron-Bridge LoRA; drop --adapter")
+    if args.hf_config is None:
+        raise MergeError(f"--base {args.base} is a Megatron-Core torch_dist checkpoint; give --hf-config DIR, "
+                         f"the HF model directory it was converted from")
+    base, adapter, _ = hf_dirs(args.base, args.hf_config, tmp, alpha=args.lora_alpha)
+    return base, adapter
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from sync_service.megatron.torch_dist import is_torch_dist_dir
     from sync_service.merge.dcp import resolve_inputs
     from sync_service.entrypoints.progress import Steps
     from sync_service.entrypoints.workdir import run_root
@@ -96,17 +118,31 @@ def run(args: argparse.Namespace) -> int:
     if args.weight_block_size is not None or args.scale_fmt is not None:
         fp8 = Fp8Options(weight_block_size=args.weight_block_size or (128, 128), scale_fmt=args.scale_fmt or "float")
     # on a terminal, a bar names the seconds of reading (PEFT's import, the headers, the factors) before the merge's
-    # own bar; never elsewhere: stderr off a terminal holds the FP8 report and errors only
-    reading = Steps(1, enabled=not args.no_progress and sys.stderr.isatty())
+    # own bar; off a terminal one line once everything is checked (a refusal stays one line), then the FP8 report
+    terminal = not args.no_progress and sys.stderr.isatty()
+    reading, t0 = Steps(1, enabled=terminal), time.monotonic()
+
+    def merging() -> None:
+        reading.close()
+        if not args.no_progress and not terminal:
+            print(f"weightsync merge: read and checked the base and the adapter; merging into {args.out} "
+                  f"({time.monotonic() - t0:.1f} s in)", file=sys.stderr, flush=True)
+
     try:
         with tempfile.TemporaryDirectory(prefix="wsync-dcp", dir=run_root()) as tmp:
             reading.step("reading the base and the adapter")
-            base, adapter = resolve_inputs(Path(args.base), None if args.adapter is None else Path(args.adapter), Path(tmp))
+            if is_torch_dist_dir(args.base):
+                base, adapter = _megatron_inputs(args, Path(tmp))
+            elif args.hf_config is not None or args.lora_alpha is not None:
+                raise MergeError(f"--hf-config / --lora-alpha go with a Megatron-Core torch_dist --base; {args.base} "
+                                 f"is not one (no metadata.json naming sharded_backend torch_dist)")
+            else:
+                base, adapter = resolve_inputs(Path(args.base), None if args.adapter is None else Path(args.adapter), Path(tmp))
             summary = merge_checkpoint(
                 base, adapter, args.out, target=args.target, dtype=args.dtype,
                 max_shard_bytes=args.max_shard_size, staging_bytes=args.staging_size,
                 accumulate_dtype=args.accumulate_dtype, quantize=args.quantize, fp8=fp8,
-                progress=False if args.no_progress else None, on_merge=reading.close,
+                progress=False if args.no_progress else None, on_merge=merging,
             )
     except MergeError as exc:
         reading.close()
