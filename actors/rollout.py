@@ -259,6 +259,19 @@ class RolloutEngineCore:
         g = batch([prompt_token_ids], max_new_tokens, logprobs=True)[0]
         return g.tokens, g.logprobs, g.weight_version
 
+    def token_logprobs(self, sequences: list[list[int]]) -> tuple[list[np.ndarray], int | None]:
+        """Per sequence a float32 ``[len - 1, vocab]`` array of the served model's teacher-forced next-token
+        log-probabilities over the full vocabulary, and the version that produced them (HF and vLLM engines).
+
+        Raises:
+            TypeError: this engine reports no logprobs.
+        """
+        score = getattr(self.engine, "token_logprobs", None)
+        if score is None:
+            raise TypeError(f"{self.name}: engine {type(self.engine).__name__} reports no logprobs")
+        version, out = score(sequences)
+        return [t.numpy() for t in out], version
+
     def sample(self, prompt_token_ids: list[int], max_new_tokens: int, num_samples: int, temperature: float,
                seed: int) -> tuple[list[list[int]], int | None]:
         """``num_samples`` sampled continuations (see ``HFEngine.sample``) and the weight version that
@@ -273,10 +286,14 @@ class RolloutEngineCore:
 
         Raises:
             KeyError: a name this engine does not serve. RuntimeError: the engine cannot read its weights
-            back (vLLM in process: its weights live in the worker; compare generations instead).
+            back. vLLM reports its own names, and checkpoint copies where it keeps a tensor opaque
+            (``engines.vllm.served``; ``TensorDigest.source``).
         """
-        from sync_service.engines.readback import served_weights
+        from sync_service.engines.readback import served_from_rows, served_weights
 
+        digests = getattr(self.engine, "served_digests", None)  # computed where the weights live (vLLM's worker)
+        if digests is not None:
+            return served_from_rows(self.name, *digests(names, values))
         served = getattr(self.engine, "served", None)
         if served is None:
             raise RuntimeError(f"{self.name}: engine {type(self.engine).__name__} cannot read back its served "

@@ -330,6 +330,21 @@ class HFEngine:
             version = self._version
         return SampleResult(tokens=ids[:, len(prompt_token_ids):].tolist(), weight_version=version)
 
+    def token_logprobs(self, sequences: Sequence[Sequence[int]]) -> tuple[int | None, list[torch.Tensor]]:
+        """``(version, per sequence a float32 [len - 1, vocab] tensor)``: log_softmax of the served model's logits
+        at every position but the last (teacher-forced next-token log-probabilities, full vocabulary), all under
+        one committed version (the generation lock). Raises ``ValueError`` for a sequence shorter than 2 tokens."""
+        if any(len(s) < 2 for s in sequences):
+            raise ValueError("token_logprobs: every sequence needs >= 2 token ids")
+        out = []
+        with self._locked(), torch.no_grad():
+            for seq in sequences:
+                ids = torch.tensor([list(seq)], dtype=torch.long, device=self._model.device)
+                logits = self._model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0, :-1]
+                out.append(torch.log_softmax(logits.float(), dim=-1).cpu())
+            version = self._version
+        return version, out
+
     def export_tensors(self) -> dict[str, torch.Tensor]:
         """The served parameters themselves (no copy), for streaming them to a peer engine (a late
         joiner). Read only; they hold the served version until the next ``commit``: the caller must hold off

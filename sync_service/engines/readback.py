@@ -14,7 +14,7 @@ import xxhash
 from protocols.readback import ServedWeights, TensorDigest
 from sync_service.dtypes import wire_dtype
 
-__all__ = ["served_weights", "tensor_bytes", "tensor_digest"]
+__all__ = ["served_from_rows", "served_weights", "tensor_bytes", "tensor_digest"]
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -48,3 +48,11 @@ def served_weights(engine: str, version: int | None, tensors: Mapping[str, torch
         out.append(TensorDigest(name=name, dtype=wire_dtype(t.dtype), shape=tuple(t.shape),
                                 xxh3_64=xxhash.xxh3_64_hexdigest(raw), values=bytes(raw) if values else None))
     return ServedWeights(engine=engine, version=version, tensors=tuple(out))
+
+
+def served_from_rows(engine: str, version: int | None, rows: Sequence[Sequence]) -> ServedWeights:
+    """``ServedWeights`` of rows ``[name, dtype, shape, xxh3_64, source, bytes | None]`` computed where the weights
+    live (a vLLM worker: ``engines.vllm.served.served_rows``)."""
+    return ServedWeights(engine=engine, version=version, tensors=tuple(
+        TensorDigest(name=str(n), dtype=str(d), shape=tuple(int(x) for x in s), xxh3_64=str(h),
+                     values=None if v is None else bytes(v), source=str(src)) for n, d, s, h, src, v in rows))

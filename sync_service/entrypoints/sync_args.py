@@ -41,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the servers' --api-key (default: $VLLM_API_KEY)")
     parser.add_argument("--digests", type=absolute_path, default=None, metavar="FILE",
                         help="after each version write every engine's per-tensor xxh3_64 digests of the weights it "
-                             "serves to FILE (JSON; --engine hf; docs/operations.md)")
+                             "serves to FILE (JSON, every engine kind; vLLM reports its own names, and checkpoint copies where it keeps a "
+                             "tensor opaque: \"source\" per tensor; docs/operations.md)")
     add_common_arguments(parser, versions=1)
 
 

@@ -101,6 +101,9 @@ class VersionRow:
     engines: list = field(default_factory=list)
     conversions: dict = field(default_factory=dict)
     """The plan's casts into the engines' dtypes: ``"float32->bfloat16"`` → tensors (``WeightSync.dtype_conversions``)."""
+    policy_kl_floor: float | None = None
+    """KL(π_fp32 ‖ π_trainer) of the version's unmerged PEFT policy, nats per token (``verify.policy_kl``): what
+    the trainer's own dtype costs; each engine row's ``policy_kl`` is KL(π_trainer ‖ π_engine). ``None``: not measured."""
 
     @property
     def verified(self) -> bool:
@@ -149,6 +152,7 @@ def run_local(cfg: RunConfig, launcher) -> list[VersionRow]:
 
     from sync_service.api import WeightSync
     from sync_service.entrypoints.local import AdapterReplay
+    from sync_service.verify.policy_kl import policy_check
 
     tmp = run_dir("sync")
     work = cfg.work_dir or tmp / "work"
@@ -173,7 +177,10 @@ def run_local(cfg: RunConfig, launcher) -> list[VersionRow]:
             m = sync.push(v)
             steps.step(f"version {v}: verify")
             checks = verify_version(cfg.base, work / f"v{v}", replay, engines, tp=cfg.tp, timeout_s=cfg.timeout_s)
-            rows.append(VersionRow.of(v, m, [{"engine": n, **c} for n, c in zip(names, checks)]))
+            floor, kls = policy_check(cfg.base, None if replay is None else work / f"v{v}" / "adapter", engines,
+                                      timeout_s=cfg.timeout_s)
+            rows.append(VersionRow.of(v, m, [{"engine": n, **c, "policy_kl": kl} for n, c, kl in zip(names, checks, kls)]))
+            rows[-1].policy_kl_floor = floor
             rows[-1].conversions = {f"{a}->{b}": n for (a, b), n in sorted(sync.dtype_conversions.items())}
             if cfg.digests_path is not None:
                 write_digests(cfg.digests_path, v, engines, cfg.timeout_s)
@@ -241,7 +248,8 @@ def print_row(r: VersionRow) -> None:
 def write_json(path: Path, rows: list[VersionRow], extra: dict) -> None:
     doc = {"versions": [{"version": r.version, "full": r.full, "bytes": r.bytes, "buckets": r.buckets,
                          "seconds": r.seconds, "gb_per_s": r.gb_per_s, "stages": r.stages, "verified": r.verified,
-                         "engines": r.engines, "dtype_conversions": r.conversions} for r in rows], **extra}
+                         "engines": r.engines, "dtype_conversions": r.conversions,
+                         "policy_kl_floor": r.policy_kl_floor} for r in rows], **extra}
     path.write_text(json.dumps(doc, indent=2) + "\n")
 
 

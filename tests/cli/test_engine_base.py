@@ -87,6 +87,7 @@ def test_fp32_trainer_into_bf16_engines_verifies_against_peft(files, tmp_path):
         (engine,) = row["engines"]
         assert engine["verified"] and engine["weights_equal_reference"], engine
         assert engine["max_abs_diff"] == 0.0, engine  # float64 accumulation: PEFT's merge cast once, bit for bit
+        assert row["policy_kl_floor"] == 0.0 and 0.0 < engine["policy_kl"] < 0.1, (row, engine)  # an fp32 trainer
 
 
 FP8_FORMATS = {fmt: Fp8Options(weight_block_size=(16, 16), scale_fmt=fmt) for fmt in ("float", "ue8m0")}

@@ -45,6 +45,9 @@ class VLLMEngineConfig:
     """No torch.compile / graph capture (fast start; the CPU build needs it with small models)."""
     seed: int = 0
     """vLLM's sampling seed."""
+    max_logprobs: int = -1
+    """Most logprobs a request may ask for (vLLM ``max_logprobs``); -1: the whole vocabulary, so the verification
+    can score teacher-forced sequences over it (``VLLMEngine.token_logprobs``). Costs nothing unless asked for."""
     pause_mode: PauseMode = PauseMode.KEEP
     """``KEEP``: generation goes on during ``apply`` (staged in the worker); only finish → commit waits for
     running generations and holds new ones. ``WAIT``: generation is held from ``begin_update`` to commit.

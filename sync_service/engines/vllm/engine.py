@@ -82,6 +82,7 @@ class VLLMEngine:
             enable_prefix_caching=config.enable_prefix_caching,
             enforce_eager=config.enforce_eager,
             seed=config.seed,
+            max_logprobs=config.max_logprobs,
             worker_extension_cls=WORKER_EXTENSION,
             **kwargs,
         )
@@ -276,6 +277,21 @@ class VLLMEngine:
             version = self._version
             outs = self._llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         return [_generation(o, version) for o in outs]
+
+    def token_logprobs(self, sequences: Sequence[Sequence[int]]) -> tuple[int | None, list[torch.Tensor]]:
+        """``(version, per sequence a float32 [len - 1, vocab] tensor)``: vLLM's prompt logprobs over the full
+        vocabulary (``logprobs.prompt_logprobs``; needs ``VLLMEngineConfig.max_logprobs=-1``), one version for all.
+
+        Raises:
+            ValueError: a sequence shorter than 2 tokens, or an engine started with fewer logprobs than the vocabulary.
+        """
+        from sync_service.engines.vllm.logprobs import prompt_logprobs
+
+        with self._gate.serving():
+            self._adopt_threads()
+            version = self._version
+            out = prompt_logprobs(self._llm, sequences)
+        return version, out
 
     def generate(self, prompt_token_ids: Sequence[int], max_new_tokens: int) -> GenerateResult:
         """Greedy tokens of one prompt (the ``HFEngine.generate`` signature)."""

@@ -133,5 +133,8 @@ class FusedVLLMEngine:
                        logprobs: bool = True) -> list[VLLMGeneration]:
         return self.engine.generate_batch(prompts, max_new_tokens, logprobs=logprobs)
 
+    def token_logprobs(self, sequences: Sequence[Sequence[int]]) -> tuple[int | None, list[torch.Tensor]]:
+        return self.engine.token_logprobs(sequences)
+
     def shutdown(self) -> None:
         self.engine.shutdown()

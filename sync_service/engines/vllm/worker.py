@@ -23,6 +23,7 @@ from protocols.params import Box
 from sync_service.dtypes import torch_dtype, wire_dtype
 from sync_service.engines.vllm.layer_map import names_by_module, owner_modules
 from sync_service.engines.vllm.reload import reload_modules
+from sync_service.engines.vllm.served import served_rows
 from sync_service.engines.vllm.store import CheckpointStore
 
 __all__ = ["WORKER_EXTENSION", "WeightSyncExtension", "WorkerSync", "tensor_from_payload", "tensor_payload"]
@@ -76,6 +77,21 @@ class WorkerSync:
     def table(self) -> list[tuple[str, str, tuple[int, ...]]]:
         """``(name, wire dtype, shape)`` per checkpoint tensor the model loads, in layer order."""
         return [(m.name, m.dtype, m.shape) for m in self._table]
+
+    def served(self, names: Sequence[str] | None = None, values: bool = False) -> list[list]:
+        """Digests of what the worker serves now (``served.served_rows``: vLLM's parameters as held, checkpoint
+        copies for opaque ones, sorted by name).
+
+        Raises:
+            RuntimeError: an update was finished and not yet committed or aborted (the modules hold values
+                no version was committed for).
+            KeyError: a name of ``names`` is not served here.
+        """
+        if self._rewritten:
+            raise RuntimeError(f"served_weights during update {self._pending} (finished, not committed); "
+                               f"read back after commit or abort")
+        return served_rows(self._model, self._names_of, lambda ns: self.store.values(ns, staged=False),
+                           self._model_config.dtype, names, values)
 
     def begin(self, version: int, names: Sequence[str]) -> None:
         if self._pending is not None:
@@ -160,6 +176,9 @@ class WeightSyncExtension:
         if getattr(self, "_weightsync", None) is None:
             self._weightsync = WorkerSync(self.model_runner.model, self.vllm_config.model_config)
         return self._weightsync.table()
+
+    def ws_served(self, names: Sequence[str] | None = None, values: bool = False) -> list[list]:
+        return self._weightsync.served(names, values)
 
     def ws_begin(self, version: int, names: Sequence[str]) -> None:
         self._weightsync.begin(version, names)
