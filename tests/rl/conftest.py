@@ -1,5 +1,5 @@
-"""Fixtures of the live-refresh tests: one local Ray per module (own temp dir, 2 CPUs), generated files,
-and an apply-delay injector for a deliberately slow engine."""
+"""Fixtures of the live-refresh tests: one local Ray for the directory (own temp dir, 2 CPUs; every module kills
+the actors it starts), generated files, and an apply-delay injector for a deliberately slow engine."""
 
 from __future__ import annotations
 
@@ -11,6 +11,15 @@ import pytest
 
 import ray
 
+from tests.ray_session import local_ray
+
+
+@pytest.fixture(scope="package")
+def ray_local():
+    """One local Ray for the directory's modules (``tests.ray_session.local_ray``; was one per module); yields its
+    temp dir."""
+    with local_ray() as tmp:
+        yield tmp
 
 
 class DelayedApply:

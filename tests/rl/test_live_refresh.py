@@ -33,7 +33,10 @@ def files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engines(ray_local, files):
-    return start_engines(files[0], 2, prefix="live")
+    engines = start_engines(files[0], 2, prefix="live")
+    yield engines
+    for e in engines:
+        ray.kill(e)
 
 
 @pytest.fixture
