@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from sync_service.live.example_ep import average_grads_over_ep, build_ep, ep_data_rank
+from sync_service.live.example_load import empty_base, load_from_rank0
 from sync_service.live.example_mesh import data_rank, wrap_fsdp2
 from sync_service.transports.store import free_port
 
@@ -105,13 +106,19 @@ class ExampleTrainingRank:
         ``mode="ep"`` with a 2-D ``mesh_shape``: FSDP2 × EP on ("dp", "ep"), with ``tp``: TP × EP on ("ep", "tp")
         (``example_ep.py``); without one, plain expert blocks (``expert_range=``);
         ``restore``: the whole adapter of a checkpoint (``adapter_state``) to resume from (not under EP);
-        ``dtype``: the torch dtype name the base is loaded in (the engines' dtype)."""
+        ``dtype``: the torch dtype name the base is loaded in (the engines' dtype). Under FSDP2 (``mode="fsdp2"``,
+        no ``restore``) only rank 0 reads the checkpoint; the others build the model weightless and receive their
+        shards (``example_load.py``)."""
         from peft import get_peft_model
         from transformers import AutoModelForCausalLM
 
         self.mode, self._step, self._ep_mesh = mode, 0, None
         blocks = mode == "ep" and mesh_shape is None  # plain expert blocks
-        base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=getattr(torch, dtype))
+        from_rank0 = mode == "fsdp2" and restore is None  # FSDP2 / HSDP / FSDP2 x TP: rank 0 reads, others get shards
+        if from_rank0 and self.rank != 0:
+            base = empty_base(base_dir, getattr(torch, dtype))
+        else:
+            base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=getattr(torch, dtype))
         if blocks:
             _localize_experts(base, self.rank, self.world)
         self.peft = get_peft_model(base, lora_config(lora_r))
@@ -127,7 +134,11 @@ class ExampleTrainingRank:
         else:
             mesh_shape = tuple(mesh_shape or (self.world,))
             self._data_rank = data_rank(self.rank, mesh_shape, tp and mode == "fsdp2")  # a TP group shares a batch
+            full = self.peft.state_dict() if from_rank0 and self.rank == 0 else None
             self.model = self._wrap(mode, shard_dim, mesh_shape, tp)
+            if from_rank0:
+                load_from_rank0(self.model, full)
+                del full
         self.opt = torch.optim.AdamW([p for p in self.peft.parameters() if p.requires_grad], lr=2e-2)
         return self.model
 
