@@ -55,9 +55,11 @@ def _reader(path: Path):
     return SafeMetadataReader(str(path))
 
 
-def read_dcp_state(path: str | Path) -> dict[str, torch.Tensor]:
+def read_dcp_state(path: str | Path, *, tensors_only: bool = False) -> dict[str, torch.Tensor]:
     """Every tensor of the DCP checkpoint at ``path``, whole (the ranks' shards joined by DCP), in the
-    dtypes it holds. Reads in this process, no process group.
+    dtypes it holds. Reads in this process, no process group. ``tensors_only``: leave the non-tensor entries
+    unread (a Megatron-Core ``torch_dist`` checkpoint's ``_extra_state`` / ``common_state`` bytes) instead of
+    refusing them.
 
     Raises:
         MergeError: no ``.metadata``, a metadata pickle naming anything but DCP records, non-tensor entries,
@@ -76,11 +78,12 @@ def read_dcp_state(path: str | Path) -> dict[str, torch.Tensor]:
                          f"save the checkpoint with torch.distributed.checkpoint.save") from None
     entries = metadata.state_dict_metadata
     others = sorted(k for k, m in entries.items() if not isinstance(m, TensorStorageMetadata))
-    if others:
+    if others and not tensors_only:
         raise MergeError(f"{path}: holds non-tensor entries {others[:3]}; save only the model state "
                          f"(get_model_state_dict), not the optimizer or trainer state")
     try:
-        state = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in entries.items()}
+        state = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in entries.items()
+                 if isinstance(m, TensorStorageMetadata)}
     except RuntimeError as exc:  # sizes whose product overflows or exceeds memory
         raise MergeError(f"{path}: cannot hold its tensors ({' '.join(str(exc).split())[:200]})") from None
     try:

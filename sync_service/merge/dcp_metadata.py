@@ -273,7 +273,7 @@ def _count(value: object, b: _Builder) -> int:
     return value
 
 
-_STR, _SIZE = _typed(str), _typed(torch.Size)
+_STR, _SIZE, IGNORED = _typed(str), _typed(torch.Size), object()  # IGNORED: a field walked, left out of its record
 _SPECS: dict[str, tuple[type, dict[str, tuple[_Convert, bool]]]] = {  # kind → (torch's class, field → (convert, required))
     "Metadata": (md.Metadata, {
         "state_dict_metadata": (_dict_of(_STR, _record("TensorStorageMetadata", "BytesStorageMetadata")), True),
@@ -349,7 +349,7 @@ class _Builder:
                 kwargs[name] = spec[name][0](value, self)
             except MetadataError as exc:
                 raise MetadataError(f"{rec.kind}.{name}: {exc}") from None
-        return cls(**kwargs)
+        return cls(**{k: v for k, v in kwargs.items() if v is not IGNORED})
 
 
 def parse_metadata(data: bytes) -> md.Metadata:
