@@ -113,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
     for name, g in goals.items():
         value = g["value"] if not isinstance(g["value"], float) else round(g["value"], 3)
         print(f"{name}: {json.dumps(value)} (goal {g['goal']}): {_verdict(g['met'], cfg.quick)}")
+    for f in report["skipped"]:
+        print(f"SKIPPED: {f['row']} at {f['size']}x: {f['reason']}")
     for f in report["failed"]:
         print(f"FAILED: {f['row']} at {f['size']}x: {f['error']}")
     if cfg.json_path is not None:

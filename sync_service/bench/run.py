@@ -3,7 +3,8 @@
 One local Ray (2 CPUs, own temp dir) for the run; every row starts its own actors and kills them at
 its end (``gc`` in between), so rows never share memory. Order per size: ours (delta, full,
 fan-out), the live FSDP2 trainer, floor (the bytes of our delta sync), full-gather, disk, and with ``--vllm``
-the vLLM rows. Then, per ``cfg.links`` rate, the rows across namespace hosts (``link_run``), and the
+the vLLM rows; a row that would not fit the memory available when it is due is skipped with its reason
+(``memory_plan``). Then, per ``cfg.links`` rate, the rows across namespace hosts (``link_run``), and the
 factor-streaming row
 (``sync_service.factor_stream.factor_streaming_row``, in process).
 """
@@ -20,6 +21,7 @@ from pathlib import Path
 from sync_service.bench.baselines import run_disk, run_gather
 from sync_service.bench.floor import ShmFloor
 from sync_service.bench.live import LIVE_KINDS, run_live
+from sync_service.bench.memory_plan import skip_reason
 from sync_service.bench.model import ensure_model, model_for_size
 from sync_service.bench.ours import run_ours
 from sync_service.bench.report import build_report
@@ -69,10 +71,20 @@ def _links(cfg: BenchConfig, say) -> tuple[list[Row], list[dict]]:
     return run_links(cfg, models, say=say)
 
 
+def _fits(kind: str, size: int, model, skipped: list[dict], say) -> bool:
+    """Whether row ``kind`` fits the memory available now (``memory_plan``); if not, it is recorded in ``skipped``
+    as ``{"row", "size", "reason"}`` and said."""
+    reason = skip_reason(kind, model.shape.bf16_bytes())
+    if reason is not None:
+        skipped.append({"row": kind, "size": size, "reason": reason})
+        say(f"  {size}x {kind} SKIPPED: {reason}")
+    return reason is None
+
+
 def _one_host(model, cfg: BenchConfig, size: int, rows: list[Row], failed: list[dict], launcher, work: Path, tmp: Path,
-              say) -> None:
+              say, skipped: list[dict]) -> None:
     """The one-host rows at ``size`` (local Ray, started once): ours, live FSDP2 trainer, floor, full-gather, disk,
-    vLLM (``--vllm``)."""
+    vLLM (``--vllm``). A row the memory plan says does not fit is skipped (``skipped``)."""
     import ray
 
     from sync_service.entrypoints.sync_cli import start_ray
@@ -81,14 +93,14 @@ def _one_host(model, cfg: BenchConfig, size: int, rows: list[Row], failed: list[
         start_ray(ray_temp(tmp))
     guarded(failed, "ours", size, say, lambda: run_ours(model, cfg, size, rows, launcher, say=say))
     for kind in LIVE_KINDS:
-        if cfg.runs(kind, size):
+        if cfg.runs(kind, size) and _fits(kind, size, model, skipped, say):
             guarded(failed, kind, size, say,
                     lambda k=kind: rows.append(run_live(model, cfg, size, launcher, say=say, kind=k)))
     delta = next((r for r in rows if r.kind == "delta" and r.size == size), None)
     if delta is not None:
         say(f"  {size}x floor")
         guarded(failed, "floor", size, say, lambda: rows.append(run_floor(delta.bytes, cfg, size, model.shape.bf16_bytes())))
-    if cfg.runs("gather", size):
+    if cfg.runs("gather", size) and _fits("gather", size, model, skipped, say):
         guarded(failed, "gather", size, say, lambda: rows.append(run_gather(model, cfg, size, launcher, say=say)))
     if cfg.runs("disk", size):
         guarded(failed, "disk", size, say, lambda: rows.append(run_disk(model, cfg, size, work, launcher, say=say)))
@@ -123,6 +135,7 @@ def run_bench(cfg: BenchConfig, *, launcher, argv: list[str] | None = None, say=
     machine = {"cpus": os.cpu_count(), "load_before": os.getloadavg(), "argv": list(argv or [])}
     rows: list[Row] = []
     failed: list[dict] = []
+    skipped: list[dict] = []
     factor_bytes: dict[int, int] = {}
     work = _work_dir(cfg)
     tmp = run_dir("b")
@@ -136,7 +149,7 @@ def run_bench(cfg: BenchConfig, *, launcher, argv: list[str] | None = None, say=
             model = ensure_model(shape, cfg.cache_dir)
             factor_bytes[size] = model.factor_bytes()
             if not cfg.link_only:
-                _one_host(model, cfg, size, rows, failed, launcher, work, tmp, say)
+                _one_host(model, cfg, size, rows, failed, launcher, work, tmp, say, skipped)
         ray.shutdown()
         if cfg.links:
             steps.step("link rows")
@@ -157,4 +170,5 @@ def run_bench(cfg: BenchConfig, *, launcher, argv: list[str] | None = None, say=
     report = build_report(rows, cfg, factor_bytes=factor_bytes, factor_streaming=factor_streaming, machine=machine,
                           link_rows=link_rows)
     report["failed"] = failed
+    report["skipped"] = skipped
     return report

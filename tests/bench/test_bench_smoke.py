@@ -40,7 +40,7 @@ def report(tmp_path_factory):
 
 @pytest.mark.timeout(1200)
 def test_every_row_ran_per_size_plan(report):
-    assert report["failed"] == []
+    assert report["failed"] == [] and report["skipped"] == []  # nothing at --quick sizes exceeds the memory plan
     ran = {(r["kind"], r["size"]) for r in report["rows"]}
     expected = {(k, 1) for k in ROW_KINDS if k not in VLLM_ROWS + MESH_ROWS} | {(k, 2) for k in ("delta", "full", "floor")}
     assert ran == expected
