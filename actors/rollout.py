@@ -137,8 +137,13 @@ class RolloutEngineCore:
             raise ValueError(f"open_transport: plan decodes to {type(plan).__name__}, not a SyncPlan")
         transport = open_receiver(TransportSpec.from_bytes(request.spec), receiver=request.index)
         updater = self._updater_for(plan)
+        factors = None if updater is self.engine else updater
+        if factors is None:  # the served check in front of the engine (engines.served_check; its gate runs it)
+            from sync_service.engines.served_check import install
+
+            updater = install(self.engine, getattr(request, "check_served", "off"), self.name)
         receiver = BucketReceiver(updater, plan, receiver=request.index, secret=request.secret)
-        self._channels[request.owner] = (transport, receiver, None if updater is self.engine else updater)
+        self._channels[request.owner] = (transport, receiver, factors)
         reserve = getattr(self.engine, "reserve_staging", None)  # staging touched now, not inside the first sync
         if reserve is not None:
             reserve(list(dict.fromkeys(e.recipe.target if e.recipe is not None else e.name for e in plan.entries)))

@@ -62,6 +62,8 @@ class OpenChannel:
         index: this endpoint's sender index in the plan (a trainer: its rank) or receiver index (an engine).
         secret: the session's HMAC-SHA256 key; buckets are sealed (trainer) or verified (engine) with it.
         bucket_buffers: a sender's bucket buffers (2: double buffering); ignored by receivers.
+        check_served: an engine's served check before each vote (``SyncConfig.check_served``: ``"off"``,
+            ``"log"``, ``"enforce"``); ignored by senders.
     """
 
     owner: str
@@ -70,6 +72,7 @@ class OpenChannel:
     index: int
     secret: bytes | None = field(default=None, repr=False)
     bucket_buffers: int = 2
+    check_served: str = "off"
 
 
 @dataclass(frozen=True, slots=True)

@@ -66,6 +66,14 @@ class SyncConfig:
     check_finite: bool = False
     """Refuse a version whose merged weights hold NaN/Inf: the trainers' ``MergeConfig.check_finite``
     (one extra pass over each merged box); the push fails naming the tensor, nothing is applied."""
+    check_served: str = "log"
+    """The served check inside every commit (``engines.served_check``), run by each engine before it votes:
+    every announced tensor applied exactly once, the applied bytes equal to the bytes the trainers sent (xxh3_64
+    per box), what it will serve finite. ``"enforce"``: a finding refuses the version on that engine, so the push
+    aborts it on every engine (the previous version stays served); ``"log"``: a warning per finding, the version
+    commits; ``"off"``: not run. Default ``"log"``: the check costs the same under log and enforce (a hash of each
+    box as applied and one of the staged tensors), enforce changes only the verdict; ``"log"`` stays the default
+    until the check compares bytes on every engine kind (vLLM stages in its worker: counted only, docs/reliability.md)."""
     accumulate_dtype: str = "float32"
     """The trainers' ``MergeConfig.accumulate_dtype``: ``"float64"`` serves bitwise PEFT's float64 merge cast once."""
     secret: bytes | None = field(default=None, repr=False)
@@ -125,6 +133,8 @@ class SyncConfig:
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"SyncConfig.metrics_port={self.metrics_port} must be a TCP port 0..65535 (0: a free one) "
                              f"or None")
+        if self.check_served not in ("off", "log", "enforce"):
+            raise ValueError(f"SyncConfig.check_served={self.check_served!r}; use 'off', 'log' or 'enforce'")
         if self.accumulate_dtype not in ("float32", "float64"):
             raise ValueError(f"SyncConfig.accumulate_dtype={self.accumulate_dtype!r}; use 'float32' or 'float64'")
         if not 0 < self.timeout_s <= defaults.MAX_TIMEOUT_S:  # also NaN
@@ -149,7 +159,7 @@ buffered per trainer in RAM or /dev/shm; beyond this a bucket only costs memory)
 # field → allowed kinds (``None`` allows None); bool is never accepted for int fields; ``secret``: ``check_secret``.
 _FIELD_TYPES: dict[str, tuple] = {
     "bucket_bytes": (int,), "transport": (str,), "backend": (str,), "device": (str,), "relay": (str,), "timeout_s": (int, float),
-    "check_finite": (bool,), "accumulate_dtype": (str,), "reset_versions": (bool,), "delta": (bool,), "max_in_flight": (int,),
+    "check_finite": (bool,), "check_served": (str,), "accumulate_dtype": (str,), "reset_versions": (bool,), "delta": (bool,), "max_in_flight": (int,),
     "max_staleness": (int,), "mode": (str,), "factor_memory_bytes": (int, None), "experts_per_recipe": (int,),
     "metrics_port": (int, None), "metrics_host": (str,), "bind_host": (str,), "port_range": (tuple, None)}
 

@@ -50,7 +50,7 @@ class Channel:
         self._host = host_channel(spec, bind_host=self._config.bind_host, port_range=self._config.port_range)
         raw = self._host.spec.to_bytes()
         refs = [a.open_transport.remote(OpenChannel(owner=self.owner, spec=raw, plan=self._plan_bytes, index=i,
-                                                    secret=self._secret))
+                                                    secret=self._secret, check_served=self._config.check_served))
                 for group in (trainers, engines) for i, a in enumerate(group)]
         try:
             call_all(refs, [*trainer_names, *engine_names], "open_transport", timeout + 30.0)

@@ -1,0 +1,152 @@
+"""The served check in the engine's commit gate (``engines.served_check``, ``SyncConfig.check_served``), on the
+transformers and memory engines: a version whose applied bytes were corrupted after the transport's checksum (a
+fault in the engine's own ``apply``), one missing a tensor, and one that would serve NaN are refused under
+``enforce`` before the engine votes — the previous version stays served, bit for bit — and committed with a
+warning under ``log``. The receiver's side is ``AppliedDigests`` (what the verified buckets handed the engine)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from sync_service.engines.commit_gate import CommitRefused
+from sync_service.engines.hf import HFEngine
+from sync_service.engines.memory import MemoryEngine
+from sync_service.engines.served_check import AppliedDigests, install
+from tests.engines.test_hf_engine import tiny_model
+
+
+def _engine(kind: str):
+    model = tiny_model(0)
+    return HFEngine(model) if kind == "hf" else MemoryEngine({n: p.detach().clone() for n, p in model.named_parameters()})
+
+
+def _state(engine, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {m.name: torch.randn(m.shape, generator=gen).to(getattr(torch, m.dtype)) for m in engine.param_metas()}
+
+
+def _push(updater, version: int, state: dict[str, torch.Tensor]) -> None:
+    """Every tensor in two boxes along dim 0 (where it has two rows), through ``updater``; finish and commit."""
+    updater.begin_update(version, list(state))
+    for name, value in state.items():
+        cut = value.shape[0] // 2 or value.shape[0]
+        for lo, hi in ((0, cut), (cut, value.shape[0])):
+            if hi > lo:
+                box = ((lo, hi), *((0, d) for d in value.shape[1:]))
+                updater.apply(name, box, value[lo:hi])
+    updater.finish_update()
+    updater.commit(version)
+
+
+def _served(engine) -> dict[str, torch.Tensor]:
+    return engine.served()[1]
+
+
+def _corrupt_after_copy(engine, name: str) -> None:
+    """The fault: the engine's own ``apply`` flips one byte of ``name``'s staging after its copy."""
+    original = engine.apply
+
+    def apply(n, box, data):
+        original(n, box, data)
+        if n == name and box[0][0] == 0:  # once per sync: the first box's first byte
+            engine._staging.buffer(n).view(-1).view(torch.uint8)[0] ^= 0x40
+
+    engine.apply = apply
+
+
+@pytest.mark.parametrize("kind", ["memory", "hf"])
+def test_enforce_refuses_corrupt_missing_and_nonfinite_versions(kind):
+    engine = _engine(kind)
+    updater = install(engine, "enforce", "e0")
+    assert isinstance(updater, AppliedDigests) and engine.commit_gate.check_names() == ["served"]
+    v1 = _state(engine, 1)
+    _push(updater, 1, v1)  # a clean version commits under enforce
+    assert engine.weight_version() == 1
+    served = _served(engine)
+    name = next(n for n, t in v1.items() if t.shape[0] > 1)
+
+    _corrupt_after_copy(engine, name)
+    with pytest.raises(CommitRefused, match=f"refused by the served check: .*{name}.*corrupted after the transport"):
+        _push(updater, 2, _state(engine, 2))
+    del engine.apply
+    assert engine.weight_version() == 1 and all(torch.equal(served[n], t) for n, t in _served(engine).items())
+
+    engine.apply = lambda n, box, data: None if n == name else type(engine).apply(engine, n, box, data)  # drops one
+    with pytest.raises((CommitRefused, ValueError), match=name):
+        _push(updater, 2, _state(engine, 2))
+    del engine.apply
+    engine.abort()
+    assert engine.weight_version() == 1 and all(torch.equal(served[n], t) for n, t in _served(engine).items())
+
+    bad = _state(engine, 3)
+    bad[name].view(-1)[3] = float("nan")
+    with pytest.raises(CommitRefused, match=f"{name}: holds NaN/Inf"):
+        _push(updater, 2, bad)
+    assert engine.weight_version() == 1 and all(torch.equal(served[n], t) for n, t in _served(engine).items())
+
+    v2 = _state(engine, 4)
+    _push(updater, 2, v2)  # the engine takes the next clean version
+    assert engine.weight_version() == 2 and all(torch.equal(v2[n], t) for n, t in _served(engine).items())
+
+
+def test_log_commits_with_a_warning_and_off_installs_nothing(caplog):
+    engine = _engine("memory")
+    updater = install(engine, "log", "e0")
+    _push(updater, 1, _state(engine, 1))
+    name = next(iter(_state(engine, 1)))
+    _corrupt_after_copy(engine, name)
+    with caplog.at_level(logging.WARNING, logger="weightsync.served_check"):
+        _push(updater, 2, _state(engine, 2))
+    assert engine.weight_version() == 2 and f"{name}: box" in caplog.text and "committing anyway" in caplog.text
+    check = engine.commit_gate._checks["served"]
+    assert (check.checked, check.refusals) == (2, 1)
+    assert install(engine, "off", "e0") is engine and engine.commit_gate.check_names() == []
+    with pytest.raises(ValueError, match="check_served='strict'"):
+        install(engine, "strict", "e0")
+
+
+def test_enforce_aborts_the_version_on_every_engine_through_ray(tmp_path):
+    """Two transformers engines behind Ray; trainers whose base holds a NaN (``check_finite`` off, so they send it):
+    each engine's served check refuses the version before it votes, ``push`` raises naming the tensor, and both
+    engines keep serving the previous version; ``check_served="log"`` commits it."""
+    import shutil
+
+    import ray
+    from safetensors.torch import load_file, save_file
+
+    from actors.launch import start_engines, start_trainers
+    from sync_service.api import SyncConfig, SyncError, WeightSync
+    from sync_service.synthetic import make_adapter, make_base
+    from tests.ray_session import local_ray
+
+    base = make_base("qwen3_moe", tmp_path / "base", hidden=32, intermediate=16, vocab_size=64)
+    adapter = make_adapter("qwen3_moe", base, tmp_path / "lora", r=2, seed=1, kind="target_parameters",
+                           target_modules=["q_proj"])
+    nan_base = shutil.copytree(base, tmp_path / "nan_base")
+    weights = load_file(str(nan_base / "model.safetensors"))
+    weights["model.norm.weight"].view(-1)[0] = float("nan")
+    save_file(weights, str(nan_base / "model.safetensors"), metadata={"format": "pt"})
+    with local_ray():
+        engines = start_engines(base, 2, prefix="e")
+        for trainer_base, mode, committed in ((base, "enforce", True), (nan_base, "enforce", False),
+                                              (nan_base, "log", True)):
+            trainers = start_trainers(trainer_base, adapter, ep=1)
+            sync = WeightSync(trainers=trainers, engines=engines,
+                              config=SyncConfig(transport="shm", timeout_s=60, check_served=mode, delta=False))
+            before = ray.get([e.served_weights.remote() for e in engines], timeout=60)
+            version = max(w.version or 0 for w in before) + 1
+            if committed:
+                sync.push(version)
+                assert ray.get([e.weight_version.remote() for e in engines], timeout=60) == [version] * 2
+            else:
+                with pytest.raises(SyncError, match="refused by the served check: .*model.norm.weight: holds NaN/Inf"):
+                    sync.push(version)
+                after = ray.get([e.served_weights.remote() for e in engines], timeout=60)
+                assert [a.digests() for a in after] == [b.digests() for b in before]  # the previous version, bitwise
+                assert [a.version for a in after] == [b.version for b in before]
+            sync.close()
+            for t in trainers:
+                ray.kill(t)
