@@ -148,7 +148,11 @@ def _finite(tensor: torch.Tensor) -> bool:
     if nan is not None:
         mask, value = nan
         return not bool(((tensor.view(torch.uint8) & mask) == value).any())
-    return not tensor.is_floating_point() or bool(torch.isfinite(tensor).all())
+    if not tensor.is_floating_point():
+        return True
+    if bool(torch.isfinite(tensor.sum())):  # NaN / Inf propagate through a sum: a finite sum means all finite
+        return True
+    return bool(torch.isfinite(tensor).all())  # a non-finite sum may be an overflow: look element by element
 
 
 def install(engine: object, mode: str, name: str) -> object:
