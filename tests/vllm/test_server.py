@@ -1,6 +1,7 @@
 """A stock vLLM server as a rollout engine (``actors.vllm_server.VLLMServer``), end to end.
 
-One fp32 server subprocess on loopback, started with the weightsync backend; 2 EP trainer shards and
+The session's shared fp32 server on loopback (``vllm_server``: started with the weightsync backend, serving
+versions continued from the tests before); 2 EP trainer shards and
 one transformers engine push two versions to it (full, then delta). After each, the server's ``/v1/completions`` greedy
 tokens equal, and its logprobs are within ``LOGPROB_ATOL`` of, those of a fresh server (no backend) on
 PEFT's merged checkpoint of that version (``merge_and_unload`` in float64, cast once to fp32); requests
@@ -9,7 +10,8 @@ commit finds nothing in the prefix cache (a repeat does). The fresh servers also
 case "server without the backend". Then: an unreachable URL, a plan that does not fit (bf16 trainers,
 fp32 server) refused before any byte; the server killed during the third push (held by a gate in the
 trainers once the server is in it): the push names it and the transformers
-engine commits; a server restarted on the base joins with a full peer copy and serves that version.
+engine commits; a server restarted on the base joins with a full peer copy and serves that version
+(and is the shared server from then on).
 """
 
 from __future__ import annotations
@@ -28,15 +30,17 @@ import ray  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
 
+from tests.vllm.shared_server import SERVER_ARGS, START_TIMEOUT_S  # noqa: E402
+
 LONG = list(range(3, 75))  # 72 tokens: two full 32-token KV blocks the prefix cache can hold
 PROMPTS = ([1, 5, 9, 13, 17, 21], [2, 3, 5, 7, 11, 13, 17], LONG)
 MAX_NEW_TOKENS = 6
-SERVER_ARGS = ("--block-size", "32", "--enable-prompt-tokens-details",  # every server: same numerics, cache visible
-               "--enable-scale-out")  # mounts /inference/v1/generate, which reports weight versions per token
 VERSIONS = 3
 DTYPE = "float32"  # PEFT's float64 merge and the trainers' fp32 merge agree to an fp32 ulp
+ORACLE_ARGS = ("--distributed-executor-backend", "uni")
+"""The fresh servers run their worker inside the engine core process (vLLM's uniprocess executor): one process
+fewer to start (~15 s each on a loaded machine), the same worker code and numerics."""
 LOGPROB_ATOL = 1e-4  # nats; the versions' logprobs differ by far more (their tokens differ)
-START_TIMEOUT_S = 600.0  # a loaded 2-core machine starts a server in 30-150 s
 
 
 def _oracle(base: Path, adapter: Path, work: Path, *, versions: int = VERSIONS,
@@ -55,7 +59,7 @@ def _oracle(base: Path, adapter: Path, work: Path, *, versions: int = VERSIONS,
         merged = save_peft_merged(base, replay.save(work / f"v{v}" / "adapter"), work / f"v{v}" / "merged",
                                   dtype=getattr(torch, dtype))
         with LocalServer.start(merged, dtype=dtype, timeout_s=START_TIMEOUT_S, with_backend=False, log_dir=work,
-                               extra_args=SERVER_ARGS) as srv:
+                               extra_args=SERVER_ARGS + ORACLE_ARGS) as srv:
             if setup_error is None:
                 with pytest.raises(ServerSetupError) as err:
                     VLLMServerEngine(VLLMServerConfig(url=srv.url))
@@ -122,8 +126,9 @@ def _assert_logprobs_close(got: list[dict], want: list[dict], version: int) -> N
     assert diff <= LOGPROB_ATOL, f"version {version}: logprobs differ by up to {diff:.2e} from the fresh server's"
 
 
-def _push_and_check(sync, engine, url: str, trainers, v: int, expected: dict) -> None:
-    """Push version ``v`` with requests running through it; check them, the prefix cache and the served outputs."""
+def _push_and_check(sync, engine, url: str, trainers, v: int, expected: dict, v0: int) -> None:
+    """Push step ``v`` as weight version ``v0 + v`` with requests running through it; check them, the prefix
+    cache and the served outputs (``expected``: by step)."""
     if v:
         ray.get([t.train_step.remote(v) for t in trainers], timeout=120)
     pushing, during = threading.Event(), []
@@ -134,14 +139,14 @@ def _push_and_check(sync, engine, url: str, trainers, v: int, expected: dict) ->
         while not during and client.is_alive():  # one request before the push: the thread runs
             time.sleep(0.05)
     try:
-        metrics = sync.push(v)
+        metrics = sync.push(v0 + v)
     finally:
         pushing.clear()
         if v:
             client.join(timeout=300)
     assert metrics.full == (v == 0) and all(e.committed for e in metrics.engines)
-    assert sync.engine_versions() == {"server0": v, "hf0": v}
-    _check_one_version_each(during, {str(u): expected[u][0]["tokens"] for u in (v - 1, v) if u >= 0}, v)
+    assert sync.engine_versions() == {"server0": v0 + v, "hf0": v0 + v}
+    _check_one_version_each(during, {str(v0 + u): expected[u][0]["tokens"] for u in (v - 1, v) if u >= 0}, v)
     first = _plain(url, LONG)  # the first request after the commit: nothing cached from before
     assert first["cached"] == 0, f"version {v}: {first['cached']} prompt tokens from a stale prefix cache"
     _check_served(engine, expected, v, extra=(first, expected[v][-1]))
@@ -167,60 +172,50 @@ def _in_push(client) -> bool:
         return True
 
 
-def _kill_mid_push_and_rejoin(sync, server, trainers, v: int, expected: dict, tmp_path: Path):
-    """Kill the server while push ``v`` is held in the trainers (``inject.gate_fill``) and the server is in it
-    (paused, receiving): the push names it and the transformers engine commits. A server restarted on the
-    base checkpoint joins (a full peer copy of version ``v`` from the transformers engine) and serves ``v``.
-    Returns the restarted server."""
+def _kill_mid_push_and_rejoin(sync, shared, trainers, v: int, expected: dict, v0: int, tmp_path: Path) -> None:
+    """Kill the shared server while push ``v0 + v`` is held in the trainers (``inject.gate_fill``) and the server
+    is in it (paused, receiving): the push names it and the transformers engine commits. A server restarted on
+    the base checkpoint (``shared.restart()``: the shared server from then on) joins (a full peer copy of that
+    version from the transformers engine) and serves step ``v``."""
     from actors.vllm_server import VLLMServer
     from sync_service.engines.vllm_server.client import ServerClient
-    from sync_service.engines.vllm_server.launch import LocalServer
     from tests.faults import inject
 
     ray.get([t.train_step.remote(v) for t in trainers], timeout=120)
     gate = tmp_path / "gate"
     gate.mkdir()
     ray.get([t.__ray_call__.remote(inject.gate_fill, str(gate)) for t in trainers], timeout=60)
-    handle = sync.push_async(v)
-    client, end = ServerClient(server.url, timeout_s=2.0), time.monotonic() + 300
+    handle = sync.push_async(v0 + v)
+    client, end = ServerClient(shared.url, timeout_s=2.0), time.monotonic() + 300
     while not ((gate / "reached").exists() and _in_push(client)):
         assert time.monotonic() < end and not handle.done(), "the push never reached the gate with the server in it"
         time.sleep(0.1)
-    server.kill()
+    shared.kill()
     (gate / "open").touch()
     metrics = handle.result(timeout=600)
     ray.get([t.__ray_call__.remote(inject.heal_trainer) for t in trainers], timeout=60)
     results = {e.engine: e for e in metrics.engines}
     assert results["hf0"].committed and not results["server0"].committed, results
     assert "server0" in results["server0"].error and "died" in results["server0"].error, results["server0"].error
-    assert sync.engine_versions() == {"hf0": v}
+    assert sync.engine_versions() == {"hf0": v0 + v}
 
-    restarted = LocalServer.start(tmp_path / "base", dtype=DTYPE, timeout_s=START_TIMEOUT_S, log_dir=tmp_path,
-                                  extra_args=SERVER_ARGS)
-    try:
-        engine = VLLMServer(restarted.url, name="server1")
-        sync.add_engine(engine)
-        joined = sync.joins[-1]
-        assert (joined.engine, joined.source, joined.version) == ("server1", "peer:hf0", v), joined
-        assert sync.engine_versions() == {"hf0": v, "server1": v}
-        _check_served(engine, expected, v)
-    except BaseException:
-        restarted.stop()
-        raise
-    return restarted
+    engine = VLLMServer(shared.restart().url, name="server1")
+    sync.add_engine(engine)
+    joined = sync.joins[-1]
+    assert (joined.engine, joined.source, joined.version) == ("server1", "peer:hf0", v0 + v), joined
+    assert sync.engine_versions() == {"hf0": v0 + v, "server1": v0 + v}
+    _check_served(engine, expected, v)
 
 
-def test_server_receives_three_versions_and_bad_input(tmp_path: Path, ray_local) -> None:
+def test_server_receives_three_versions_and_bad_input(tmp_path: Path, ray_local, vllm_server) -> None:
     from actors.vllm_server import VLLMServer
     from sync_service.api import PlanMismatchError, SyncConfig, WeightSync
     from sync_service.engines.vllm_server import ServerUnreachableError
-    from sync_service.engines.vllm_server.launch import LocalServer
     from sync_service.transports.store import free_port
     from actors.launch import start_engines, start_trainers
     from sync_service.synthetic import make_adapter, make_base
 
-    base = Path(make_base("qwen3_moe", tmp_path / "base", dtype=DTYPE, hidden=64, intermediate=32, num_experts=4,
-                          vocab_size=128, scale=0.1))
+    base = vllm_server.base
     adapter = Path(make_adapter("qwen3_moe", base, tmp_path / "lora", kind="target_parameters", r=4, lora_alpha=16,
                                 init_scale=0.3, seed=1))
     expected, setup_error = _oracle(base, adapter, tmp_path / "oracle")
@@ -233,11 +228,11 @@ def test_server_receives_three_versions_and_bad_input(tmp_path: Path, ray_local)
         VLLMServer(f"http://127.0.0.1:{free_port()}", timeout_s=10)
     assert time.monotonic() - t0 < 40
 
-    server = LocalServer.start(base, dtype=DTYPE, timeout_s=START_TIMEOUT_S, log_dir=tmp_path, extra_args=SERVER_ARGS)
+    v0 = vllm_server.next_version()  # the shared server continues the versions of the tests before
+    engine = VLLMServer(vllm_server.url, name="server0")
     try:
-        engine = VLLMServer(server.url, name="server0")
         before = ray.get(engine.complete.remote([list(p) for p in PROMPTS], MAX_NEW_TOKENS), timeout=120)
-        assert ray.get(engine.weight_version.remote(), timeout=60) is None
+        assert ray.get(engine.weight_version.remote(), timeout=60) == (v0 - 1 if v0 else None)
 
         # plan mismatch: trainers of another model size cannot feed the server (a dtype is cast, a shape
         # never); refused before any byte moves
@@ -256,18 +251,18 @@ def test_server_receives_three_versions_and_bad_input(tmp_path: Path, ray_local)
         sync = WeightSync(trainers=trainers, engines=[engine, hf],
                           config=SyncConfig(transport="shm", timeout_s=120, secret=secret))
         for v in range(VERSIONS - 1):
-            _push_and_check(sync, engine, server.url, trainers, v, expected)
+            _push_and_check(sync, engine, vllm_server.url, trainers, v, expected, v0)
 
-        log = server.log_path.read_text(errors="replace")
+        log = vllm_server.log_path.read_text(errors="replace")
         assert "POST /init_weight_transfer_engine" in log  # the access log of the calls that carried it
         assert base64.b64encode(secret).decode() not in log and secret.decode() not in log and secret.hex() not in log
 
-        server = _kill_mid_push_and_rejoin(sync, server, trainers, VERSIONS - 1, expected, tmp_path)
+        _kill_mid_push_and_rejoin(sync, vllm_server, trainers, VERSIONS - 1, expected, v0, tmp_path)
         sync.close()
         for a in (*trainers, hf):
             ray.kill(a)
     finally:
-        server.stop()
+        ray.kill(engine)
 
 
 def test_bf16_server_serves_pefts_float64_merge_exactly(tmp_path: Path, ray_local) -> None:
