@@ -17,9 +17,11 @@ Modes: ``"off"`` (not installed), ``"log"`` (a warning per refused version, coun
 the version commits), ``"enforce"`` (``CommitRefused``: the engine aborts its update, keeps serving the
 previous version, and the push aborts the version on every engine).
 
-Engines: transformers and memory get all three (staged values in this process: ``StagedUpdate.values``). vLLM in
-process stages in its worker: it gets check 1 here (counted in front of the engine, in the trainers' naming);
-checks 2 and 3 there are not built yet (docs/reliability.md says so).
+Engines: transformers and memory get all three here (staged values in this process: ``StagedUpdate.values``). vLLM
+(in process, and a server's worker) stages in its worker: check 1 is counted here, in front of the engine (the
+trainers' naming); checks 2 and 3 run in the worker over its checkpoint-format staging
+(``CheckpointStore.record_applied`` / ``staged_problems``, reached through ``StagedUpdate.extra``: ``"rpc"`` in
+process, ``"sync"`` in a server's worker), on the boxes the worker was handed.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from protocols.params import Box, box_numel
 from sync_service.engines.commit_gate import CommitRefused, StagedUpdate
 from sync_service.engines.readback import tensor_bytes
 
-__all__ = ["CHECK_NAME", "MODES", "AppliedDigests", "ServedCheck", "install"]
+__all__ = ["CHECK_NAME", "MODES", "AppliedDigests", "ServedCheck", "finite", "install"]
 
 MODES = ("off", "log", "enforce")
 CHECK_NAME = "served"
@@ -125,8 +127,13 @@ class ServedCheck:
             if got != numel:
                 out.append(f"{name}: {got} of {numel} elements applied (a tensor the plan promised is missing)")
         values = update.values() if update.values is not None else None
-        if values is None:
-            return out  # staged elsewhere (vLLM's worker): counted here, bytes not compared
+        if values is None:  # staged in a vLLM worker: bytes and finiteness checked there (CheckpointStore)
+            rpc, sync = update.extra.get("rpc"), update.extra.get("sync")
+            if rpc is not None:
+                out += list(rpc("ws_staged_problems"))
+            elif sync is not None:
+                out += sync.store.staged_problems()
+            return out
         for name in announced:
             tensor = values.get(name)
             if tensor is None:
@@ -138,12 +145,13 @@ class ServedCheck:
                     out.append(f"{name}: box {list(map(list, box))} holds other bytes than the trainers sent "
                                f"(corrupted after the transport's checksum)")
                     break
-            if not _finite(tensor):
+            if not finite(tensor):
                 out.append(f"{name}: holds NaN/Inf (would be served)")
         return out
 
 
-def _finite(tensor: torch.Tensor) -> bool:
+def finite(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` holds no NaN / Inf (FP8: no NaN byte); integers always."""
     nan = _NAN_BYTES.get(tensor.dtype)
     if nan is not None:
         mask, value = nan
@@ -168,6 +176,9 @@ def install(engine: object, mode: str, name: str) -> object:
     gate = getattr(engine, "commit_gate", None)
     if gate is None:
         return engine
+    record = getattr(engine, "record_applied", None)  # an engine that stages elsewhere records there (vLLM)
+    if record is not None:
+        record(mode != "off")
     if mode == "off":
         gate.set_check(CHECK_NAME, None)
         return engine

@@ -4,7 +4,9 @@ The trainers stream hf-fused tensors; the engine's ``FusedVLLMEngine`` cuts them
 checkpoint naming. Oracle: a fresh plain vLLM on PEFT's ``merge_and_unload`` (float64, cast once) of
 each version (``demo_vllm.peft_versions``; subprocess, before the engine under test starts: one vLLM
 engine at a time). Equality is exact on greedy tokens, and the oracle's versions differ from the base
-so a missed sync fails.
+so a missed sync fails. The engine's read back (vLLM's tensors after post-load processing, checkpoint copies
+where it keeps one opaque) equals the fresh engine's on each version's merge, the ``--digests`` writer takes it,
+and its full-vocabulary prompt logprobs give the version's ``policy_kl``.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ VERSIONS = 2
 def test_two_ep_trainers_to_one_vllm_engine_two_versions(tmp_path: Path) -> None:
     from sync_service.api import SyncConfig, WeightSync
     from sync_service.entrypoints.demo_vllm import peft_versions
-    from sync_service.verify.vllm_oracle import fresh_tokens
+    from sync_service.entrypoints.sync_cli import write_digests
+    from sync_service.verify.policy_kl import policy_check
+    from sync_service.verify.vllm_oracle import fresh_reference, fresh_tokens
     from actors.launch import start_engines, start_trainers
     from sync_service.synthetic import make_adapter, make_base
 
@@ -36,7 +40,9 @@ def test_two_ep_trainers_to_one_vllm_engine_two_versions(tmp_path: Path) -> None
     adapter = make_adapter("qwen3_moe", base, tmp_path / "lora", kind="target_parameters", r=4, lora_alpha=16,
                            init_scale=0.3, seed=1)
     merged = peft_versions(Path(base), Path(adapter), VERSIONS, tmp_path / "work")
-    expected = fresh_tokens({"base": base, **{str(v): d for v, d in merged.items()}}, PROMPTS, MAX_NEW_TOKENS)
+    expected = fresh_tokens({"base": base}, PROMPTS, MAX_NEW_TOKENS)
+    fresh = fresh_reference({str(v): d for v, d in merged.items()}, PROMPTS, MAX_NEW_TOKENS)
+    expected.update({k: [d.tokens for d in decodes] for k, decodes in fresh.decodes.items()})
     assert expected["0"] != expected["base"], "the adapter does not change the greedy tokens; the test would not see a sync"
 
     with local_ray():
@@ -47,7 +53,8 @@ def test_two_ep_trainers_to_one_vllm_engine_two_versions(tmp_path: Path) -> None
         assert not any(".experts.0." in n for n in table)
         before = [ray.get(engine.generate.remote(list(p), MAX_NEW_TOKENS), timeout=120) for p in PROMPTS]
         assert [g[0] for g in before] == expected["base"] and before[0][1] is None
-        sync = WeightSync(trainers=trainers, engines=[engine], config=SyncConfig(transport="shm", timeout_s=120))
+        sync = WeightSync(trainers=trainers, engines=[engine],
+                          config=SyncConfig(transport="shm", timeout_s=120, check_served="enforce"))
         for v in range(VERSIONS):
             if v:
                 ray.get([t.train_step.remote(v) for t in trainers], timeout=120)
@@ -56,4 +63,59 @@ def test_two_ep_trainers_to_one_vllm_engine_two_versions(tmp_path: Path) -> None
             gens = [ray.get(engine.generate.remote(list(p), MAX_NEW_TOKENS), timeout=120) for p in PROMPTS]
             assert [g[1] for g in gens] == [v] * len(PROMPTS)
             assert [g[0] for g in gens] == expected[str(v)], f"version {v}: tokens differ from a fresh vLLM on PEFT's"
+            _check_read_back(engine, fresh.served, v, tmp_path / "digests.json", write_digests)
+            floor, (kl,) = policy_check(base, tmp_path / "work" / f"v{v}" / "adapter", [engine], timeout_s=120)
+            assert floor == 0.0 and 0.0 <= kl < 1e-3, (floor, kl)  # an fp32 trainer, fp32 engine: only rounding
         sync.close()
+        _check_enforce_refuses_nan(base, engine, tmp_path, expected[str(VERSIONS - 1)], VERSIONS - 1)
+
+
+def _check_enforce_refuses_nan(base, engine, tmp_path: Path, tokens: list, served: int) -> None:
+    """Trainers whose base holds a NaN: the served check in the vLLM worker refuses the version under enforce
+    before the engine votes; the engine keeps serving version ``served`` (its tokens unchanged)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from actors.launch import start_trainers
+    from sync_service.api import SyncConfig, SyncError, WeightSync
+
+    nan_base = shutil.copytree(base, tmp_path / "nan_base")
+    weights = load_file(str(nan_base / "model.safetensors"))
+    weights["model.layers.1.self_attn.o_proj.weight"].view(-1)[5] = float("nan")
+    save_file(weights, str(nan_base / "model.safetensors"), metadata={"format": "pt"})
+    (trainer,) = start_trainers(nan_base, None, ep=1)
+    sync = WeightSync(trainers=[trainer], engines=[engine],
+                      config=SyncConfig(transport="shm", timeout_s=120, check_served="enforce", delta=False))
+    with pytest.raises(SyncError, match=r"refused by the served check: .*o_proj.weight: holds NaN/Inf"):
+        sync.push(served + 1)
+    sync.close()
+    gens = [ray.get(engine.generate.remote(list(p), MAX_NEW_TOKENS), timeout=120) for p in PROMPTS]
+    assert [g[1] for g in gens] == [served] * len(PROMPTS) and [g[0] for g in gens] == tokens
+    ray.kill(trainer)
+
+
+def _check_read_back(engine, fresh_served: dict, v: int, digests_path: Path, write_digests) -> None:
+    """The engine's read back against the fresh engine's on version ``v``'s merge: the same names and sources, every
+    tensor within the merge's rounding; opaque tensors (CPU-packed dense weights, prepacked ``w13``/``w2``) are
+    checkpoint copies, the rest served as held; untouched tensors bitwise equal. A tensor made different (the
+    previous version's) is named."""
+    import json
+
+    from sync_service.verify.served import served_verdict
+
+    served = ray.get(engine.served_weights.remote(None, True), timeout=120)
+    assert served.version == v
+    sources = {t.source for t in served.tensors}
+    assert sources == {"served", "checkpoint-copy"}, sources
+    names = {t.name for t in served.tensors}
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in names and "model.norm.weight" in names
+    verdict = served_verdict(served, fresh_served[str(v)], accumulate_dtype="float32")
+    assert verdict["weights_equal_reference"] and not verdict["mismatched_tensors"], verdict
+    other = fresh_served[str(1 - v)] if str(1 - v) in fresh_served else None
+    if other is not None:
+        wrong = served_verdict(served, other, accumulate_dtype="float64")
+        assert not wrong["weights_equal_reference"] and wrong["mismatched_tensors"], wrong
+    write_digests(digests_path, v, [engine], timeout_s=120)
+    doc = json.loads(digests_path.read_text())
+    assert doc["versions"][-1]["engines"]["vllm0"] == {"version": v, "tensors": served.digests()}

@@ -132,6 +132,10 @@ class VLLMEngine:
             rows = self._rpc("ws_served", None if names is None else list(names), values)
         return version, rows
 
+    def record_applied(self, on: bool) -> None:
+        """The served check (``engines.served_check``): the worker records what each apply hands it."""
+        self._rpc("ws_record_applied", bool(on))
+
     # -- update lifecycle ------------------------------------------------------------------
     def begin_update(self, version: int, names: Sequence[str], *, reset_versions: bool = False) -> str:
         """Stage buffers for ``names`` in the worker; with ``PauseMode.WAIT`` also hold generation. Returns the

@@ -133,6 +133,9 @@ class FusedVLLMEngine:
                        logprobs: bool = True) -> list[VLLMGeneration]:
         return self.engine.generate_batch(prompts, max_new_tokens, logprobs=logprobs)
 
+    def record_applied(self, on: bool) -> None:
+        self.engine.record_applied(on)
+
     def token_logprobs(self, sequences: Sequence[Sequence[int]]) -> tuple[int | None, list[torch.Tensor]]:
         return self.engine.token_logprobs(sequences)
 

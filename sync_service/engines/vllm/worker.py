@@ -180,6 +180,12 @@ class WeightSyncExtension:
     def ws_served(self, names: Sequence[str] | None = None, values: bool = False) -> list[list]:
         return self._weightsync.served(names, values)
 
+    def ws_record_applied(self, on: bool) -> None:
+        self._weightsync.store.record_applied(on)
+
+    def ws_staged_problems(self) -> list[str]:
+        return self._weightsync.store.staged_problems()
+
     def ws_begin(self, version: int, names: Sequence[str]) -> None:
         self._weightsync.begin(version, names)
 
