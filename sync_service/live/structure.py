@@ -92,10 +92,21 @@ def check_expert_ownership(base: ShardedBase, spec: ShardSpec, num_experts: int)
     other EP ranks' experts are never assembled here).
 
     Raises:
-        ValueError: a fused-expert box outside the rank's block (named).
+        ValueError: a fused-expert box outside the rank's block (named); EP over a family whose experts are
+            modules of one 3D weight (``FamilyLayout.weight_experts``, jetmoe) or whose fused expert tensors hold
+            different expert counts (longcat_flash's zero-compute experts in ``gate_up_proj`` only).
     """
     if spec.ep == 1:
         return
+    layout = getattr(base, "layout", None)
+    if getattr(layout, "weight_experts", ()):
+        raise ValueError(f"model family {layout.family}: its experts are modules of one 3D weight "
+                         f"({', '.join(layout.weight_experts)}); expert parallelism over them is not supported: "
+                         f"sync with ep=1")
+    counts = dict(sorted((m.name.rpartition(".")[2], m.shape[0]) for m in base.metas() if expert_names().fused.search(m.name)))
+    if len(set(counts.values())) > 1:
+        raise ValueError(f"fused expert tensors hold different expert counts ({counts}): expert parallelism needs "
+                         f"one E on every expert tensor; sync with ep=1")
     e_local = num_experts // spec.ep
     lo, hi = spec.ep_rank * e_local, (spec.ep_rank + 1) * e_local
     for m in base.owned():

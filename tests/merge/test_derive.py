@@ -129,3 +129,27 @@ def test_jetmoe_row_names_its_one_weight_experts():
     assert (layout.expert_params, layout.disk, layout.disk_renames) == ((), "fused", ())
     assert layout.is_weight_expert("model.layers.3.mlp.input_linear.weight")
     assert not layout.is_weight_expert("model.layers.3.mlp.router.layer.weight")
+
+
+@pytest.mark.parametrize("model_type,why", [
+    ("jetmoe", "model family jetmoe: its experts are modules of one 3D weight (mlp.input_linear, "),
+    ("longcat_flash", "fused expert tensors hold different expert counts ({'down_proj': 2, 'gate_up_proj': 4})"),
+])
+def test_expert_parallel_sync_of_these_layouts_is_refused_in_one_line(model_type, why):
+    """EP shards fused experts along dim 0: jetmoe's one-weight experts and longcat_flash's zero-compute experts
+    (gate_up_proj [E + Z, 2I, H], down_proj [E, H, I]) have no such split; ep=1 syncs them (merge = PEFT)."""
+    from transformers import AutoConfig
+
+    from sync_service.live.structure import check_expert_ownership
+    from sync_service.sharding.base import shard_tensors
+    from sync_service.sharding.rules import ShardSpec
+
+    kwargs = {"jetmoe": dict(num_hidden_layers=1), "longcat_flash": dict(num_layers=1, hidden_size=8)}[model_type]
+    layout = layout_for(AutoConfig.for_model(model_type, **kwargs).to_dict())
+    experts = {"jetmoe": {"mlp.input_linear.weight": (2, 8, 4), "mlp.output_linear.weight": (2, 4, 4)},
+               "longcat_flash": {"mlp.experts.gate_up_proj": (4, 8, 4), "mlp.experts.down_proj": (2, 4, 4)}}
+    tensors = {f"model.layers.0.{n}": torch.zeros(shape) for n, shape in experts[model_type].items()}
+    spec = ShardSpec(rank=0, ep=2)
+    with pytest.raises(ValueError, match=re.escape(why)) as err:
+        check_expert_ownership(shard_tensors(tensors, spec, layout=layout), spec, 2)
+    assert "\n" not in str(err.value) and "ep=1" in str(err.value)
