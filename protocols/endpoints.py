@@ -42,11 +42,9 @@ from protocols.params import ParamMeta
 from protocols.readback import ServedWeights
 from protocols.recipe import Recipe
 
-__all__ = [
-    "EndpointDiedError", "EndpointError", "EndpointTimeoutError", "ExportReport", "ExportRequest", "FactorCost",
-    "FactorStateReport", "FactorTrainerEndpoint", "Launcher", "OpenChannel", "ReceiveReport", "RolloutEndpoint",
-    "SendReport", "SendRequest", "SnapshotReport", "TrainerEndpoint", "clean_error_text",
-]
+__all__ = ["EndpointDiedError", "EndpointError", "EndpointTimeoutError", "ExportReport", "ExportRequest", "FactorCost",
+           "FactorStateReport", "FactorTrainerEndpoint", "Launcher", "OpenChannel", "ReceiveReport", "RolloutEndpoint",
+           "SendReport", "SendRequest", "SnapshotReport", "TrainerEndpoint", "clean_error_text"]
 
 
 # -- requests --------------------------------------------------------------------------------
@@ -62,8 +60,6 @@ class OpenChannel:
         index: this endpoint's sender index in the plan (a trainer: its rank) or receiver index (an engine).
         secret: the session's HMAC-SHA256 key; buckets are sealed (trainer) or verified (engine) with it.
         bucket_buffers: a sender's bucket buffers (2: double buffering); ignored by receivers.
-        check_served: an engine's served check before each vote (``SyncConfig.check_served``: ``"off"``,
-            ``"log"``, ``"enforce"``); ignored by senders.
     """
 
     owner: str
@@ -72,7 +68,7 @@ class OpenChannel:
     index: int
     secret: bytes | None = field(default=None, repr=False)
     bucket_buffers: int = 2
-    check_served: str = "off"
+    check_served: str = "off"  # an engine's served check before it votes (SyncConfig.check_served); senders ignore it
 
 
 @dataclass(frozen=True, slots=True)

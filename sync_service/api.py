@@ -67,13 +67,8 @@ class SyncConfig:
     """Refuse a version whose merged weights hold NaN/Inf: the trainers' ``MergeConfig.check_finite``
     (one extra pass over each merged box); the push fails naming the tensor, nothing is applied."""
     check_served: str = "log"
-    """The served check inside every commit (``engines.served_check``), run by each engine before it votes:
-    every announced tensor applied exactly once, the applied bytes equal to the bytes the trainers sent (xxh3_64
-    per box), what it will serve finite. ``"enforce"``: a finding refuses the version on that engine, so the push
-    aborts it on every engine (the previous version stays served); ``"log"``: a warning per finding, the version
-    commits; ``"off"``: not run. Default ``"log"``: the check costs the same under log and enforce (a hash of each
-    box as applied and one of the staged tensors), enforce changes only the verdict; ``"log"`` stays the default
-    until the check compares bytes on every engine kind (vLLM stages in its worker: counted only, docs/reliability.md)."""
+    """Each engine's check before it votes (``engines.served_check``: applied exactly once, the bytes sent, finite):
+    ``"enforce"`` aborts the version on every engine, ``"log"`` warns, ``"off"``; why log: docs/reliability.md."""
     accumulate_dtype: str = "float32"
     """The trainers' ``MergeConfig.accumulate_dtype``: ``"float64"`` serves bitwise PEFT's float64 merge cast once."""
     secret: bytes | None = field(default=None, repr=False)
@@ -133,10 +128,9 @@ class SyncConfig:
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"SyncConfig.metrics_port={self.metrics_port} must be a TCP port 0..65535 (0: a free one) "
                              f"or None")
-        if self.check_served not in ("off", "log", "enforce"):
-            raise ValueError(f"SyncConfig.check_served={self.check_served!r}; use 'off', 'log' or 'enforce'")
-        if self.accumulate_dtype not in ("float32", "float64"):
-            raise ValueError(f"SyncConfig.accumulate_dtype={self.accumulate_dtype!r}; use 'float32' or 'float64'")
+        for name, allowed in (("check_served", ("off", "log", "enforce")), ("accumulate_dtype", ("float32", "float64"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"SyncConfig.{name}={getattr(self, name)!r}; use {', '.join(map(repr, allowed[:-1]))} or {allowed[-1]!r}")
         if not 0 < self.timeout_s <= defaults.MAX_TIMEOUT_S:  # also NaN
             raise ValueError(f"SyncConfig.timeout_s={self.timeout_s} must be a finite number of seconds > 0 and "
                              f"<= {defaults.MAX_TIMEOUT_S:.0f} (a week)")
