@@ -4,8 +4,8 @@ kind) and the tests: what "verified" means, and the bounds it used.
 "Verified" = the engine's weights equal PEFT's ``merge_and_unload`` of the version (float64, cast once:
 ``peft_oracle``) up to the rounding of an fp32-accumulated merge (``peft_oracle.values_match``), and its
 greedy tokens agree with the oracle model's up to near-ties (``tokens``; bound 0 when the weights are the
-oracle's bit for bit). Engines whose weights cannot be read back (vLLM: its post-load layout is not the
-checkpoint's) are judged on the tokens alone, with the bound the push's accumulation dtype implies.
+oracle's bit for bit). vLLM engines are judged on their tokens here (``token_verdict``, with the bound the push's
+accumulation dtype implies) and on their read back against a fresh vLLM's (``verify.served``).
 
 Each verdict is one dict (the ``engines`` rows of the commands' ``--json``): ``verified``,
 ``weights_equal_reference``, ``weights_bitwise``, ``max_abs_diff``, ``weight_bound``,
@@ -88,7 +88,7 @@ def verdict(ref: Reference, state: Mapping[str, Any], tokens: Sequence[Sequence[
 
 def token_verdict(decodes: Sequence[OracleDecode], tokens: Sequence[Sequence[int]], version: int | None, *,
                   expected_version: int, dtype: torch.dtype | str, accumulate_dtype: str) -> dict:
-    """The verdict of an engine whose weights cannot be read back (vLLM): its greedy ``tokens`` against a
+    """The token half of a vLLM engine's verdict (its weights: ``verify.served``): its greedy ``tokens`` against a
     fresh engine's ``decodes`` on PEFT's merge, and ``version == expected_version``. Bound 0 when the push
     accumulated in float64 (the served weights are the oracle's cast bit for bit), else ``token_bound``."""
     gen = compare_tokens(decodes, tokens, token_bound(dtype, bitwise=accumulate_dtype == "float64"))
