@@ -138,10 +138,10 @@ class RolloutEngineCore:
         transport = open_receiver(TransportSpec.from_bytes(request.spec), receiver=request.index)
         updater = self._updater_for(plan)
         factors = None if updater is self.engine else updater
-        if factors is None:  # the served check in front of the engine (engines.served_check; its gate runs it)
-            from sync_service.engines.served_check import install
+        from sync_service.engines.served_check import install  # in front of the engine; its gate runs it
 
-            updater = install(self.engine, getattr(request, "check_served", "off"), self.name)
+        served = install(self.engine, getattr(request, "check_served", "off") if factors is None else "off", self.name)
+        updater = served if factors is None else updater  # factor plans: not yet checked (docs/reliability.md)
         receiver = BucketReceiver(updater, plan, receiver=request.index, secret=request.secret)
         self._channels[request.owner] = (transport, receiver, factors)
         reserve = getattr(self.engine, "reserve_staging", None)  # staging touched now, not inside the first sync
