@@ -147,6 +147,17 @@ def _compare(merged_dir: Path, base_dir: Path, adapter_dir: Path, tmp: Path) -> 
     return f"{len(bad)} tensors differ from PEFT's merge, e.g. {bad[:3]}" if bad else ""
 
 
+def census_files(model_type: str, class_name: str, root: Path) -> tuple[Path, Path]:
+    """(base dir, adapter dir) of one family as the census builds them: the tiny fp32 model saved by
+    ``save_pretrained``, a PEFT LoRA on its attention and ``target_parameters`` on its experts."""
+    from sync_service.merge.derive import layout_for
+
+    config, model = _build(model_type, class_name)
+    layout = layout_for(config)
+    model.save_pretrained(str(root / "base"))
+    return root / "base", _adapter(model, root / "base", root / "lora", *_targets(model, _experts(model), layout))
+
+
 def judge(model_type: str, class_name: str, tmp: Path) -> Verdict | None:
     """The verdict of one family (``None``: its model holds no fused experts at the tiny config)."""
     from sync_service.merge.derive import layout_for

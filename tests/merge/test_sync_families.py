@@ -132,6 +132,29 @@ def test_family_full_then_delta_sync(trainer_pool, engine_pool, families, tmp_pa
         ray.kill(engine)
 
 
+CENSUS_ONLY = [("jetmoe", "JetMoeForCausalLM"), ("longcat_flash", "LongcatFlashForCausalLM")]
+
+
+@pytest.mark.parametrize("model_type,class_name", CENSUS_ONLY)
+def test_census_family_syncs_without_expert_parallelism(trainer_pool, tmp_path, model_type, class_name):
+    """jetmoe (experts as modules of one 3D weight) and longcat_flash (zero-compute experts in gate_up_proj
+    only), as the census builds them, synced by one trainer (EP over them is refused) into a transformers
+    engine: equal to PEFT's float64 merge cast once."""
+    from actors.rollout import RolloutEngine
+    from tests.merge.families_census import census_files
+
+    base, adapter = census_files(model_type, class_name, tmp_path)
+    engine = RolloutEngine.remote(model_dir=str(base), engine="hf", name=model_type)
+    sync = WeightSync(trainers=start_trainers(base, adapter, ep=1, reuse=trainer_pool[:1]), engines=[engine],
+                      config=CONFIG)
+    try:
+        assert sync.push(0).full
+        _assert_peft_merge(_engine_state(engine), base, adapter, "float32")
+    finally:
+        sync.close()
+        ray.kill(engine)
+
+
 TP_CASES = [("llama4", 1, 2, "bfloat16"), ("gpt_oss", 2, 1, "bfloat16"), ("gpt_oss", 1, 2, "float32")]
 
 
