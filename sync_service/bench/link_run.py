@@ -12,6 +12,7 @@ writes its rows as JSON; everything is torn down before the next rate.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import subprocess
@@ -47,9 +48,7 @@ def _one_link(cfg: BenchConfig, models: dict[int, BenchModel], link: str, say, f
     store = max(256 << 20, 3 * max(m.shape.bf16_bytes() for m in models.values()) // 2 + 4 * cfg.bucket_bytes)
     ray_config = RayHostsConfig(resources={h: {HOST_RESOURCE.format(host=h): 100} for h in HOSTS},
                                 object_store_bytes=store, timeout_s=min(cfg.timeout_s, 600.0))
-    with tempfile.TemporaryDirectory(prefix="wsl") as tmp, \
-            NamespaceHosts(HostsConfig(hosts=HOSTS, uplink_rate=link)) as net, \
-            RayHosts(net, ray_config, temp_dir=Path(tmp) / "ray") as cluster:
+    with tempfile.TemporaryDirectory(prefix="wsl") as tmp, hosts_for_link(link, ray_config, Path(tmp)) as (net, cluster):
         spec, out = Path(tmp) / "spec.json", Path(tmp) / "rows.json"
         spec.write_text(json.dumps(_spec(cfg, models, link, net, cluster.address, out, Path(tmp) / "work")))
         proc = net.popen(cluster.head, [sys.executable, "-m", "actors.cli", "bench", "--link-driver", str(spec)],
@@ -63,6 +62,20 @@ def _one_link(cfg: BenchConfig, models: dict[int, BenchModel], link: str, say, f
         result = json.loads(out.read_text())
     failed.extend(result["failed"])
     return [Row(**r) for r in result["rows"]]
+
+
+@contextlib.contextmanager
+def _own_hosts(link: str, ray_config: RayHostsConfig, tmp: Path):
+    """``HOSTS`` as namespace hosts (the trainers' uplink shaped to ``link``) with a Ray node each; torn down on exit."""
+    with NamespaceHosts(HostsConfig(hosts=HOSTS, uplink_rate=link)) as net, \
+            RayHosts(net, ray_config, temp_dir=tmp / "ray") as cluster:
+        yield net, cluster
+
+
+hosts_for_link = _own_hosts
+"""``(link, ray_config, tmp) -> context manager of (NamespaceHosts, RayHosts)``: where the rows of a rate run.
+A caller that already holds such hosts (``HOSTS``, the uplink at that rate, nodes advertising ``HOST_RESOURCE``
+per host) may put a factory of its own here (the test suite shares one set of hosts between its tests)."""
 
 
 def _spec(cfg: BenchConfig, models: dict[int, BenchModel], link: str, net: NamespaceHosts, address: str, out: Path,

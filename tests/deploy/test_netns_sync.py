@@ -1,5 +1,6 @@
 """Syncs across hosts: three network namespaces on one machine (``sync_service.netns``), a Ray node in
-each; trainers (EP=2) in one, an engine in each of the two others, the trainers' link shaped.
+each (the session's shared ``netns_hosts``: ``tests/shared_hosts.py``); trainers (EP=2) in one, an engine in
+each of the two others, the trainers' link shaped to 1 Gbit/s.
 
 The driver (``netns_driver.py``) runs inside the trainers' namespace and reports; here: the fan-out to
 both engine hosts relayed (each byte once over the trainers' link), and the relay's death; every version
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from sync_service.netns import HostsConfig, NamespaceHosts, RayHosts, RayHostsConfig, available
+from tests.shared_hosts import RAY, available
 
 pytestmark = [pytest.mark.multinode, pytest.mark.skipif(available() is not None, reason=str(available())),
               pytest.mark.timeout(900)]
@@ -31,12 +32,6 @@ TIMEOUT_S = 60.0
 CUT_TIMEOUT_S = 30.0
 """The push timeout while the link is cut (the failed push ends within it + the coordinator's grace); it
 also bounds the reopen for the survivor, which starts new mailbox actors (processes) on a loaded machine."""
-HOSTS = HostsConfig(hosts=("trainers", "engines0", "engines1"), uplink_rate="1gbit", timeout_s=60)
-RAY = RayHostsConfig(resources={"trainers": {"trainer": 4}, "engines0": {"host_engines0": 2},
-                                "engines1": {"host_engines1": 2}},
-                     # a cut of minutes is not a node death; the host's memory is shared with other jobs, whose
-                     # use must not get our workers killed by Ray's memory monitor (the kernel's still guards)
-                     env={"RAY_health_check_failure_threshold": "100", "RAY_memory_monitor_refresh_ms": "0"})
 
 
 @pytest.fixture(scope="module")
@@ -51,20 +46,20 @@ def wide_files(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def report(tiny_files, wide_files):
+def report(tiny_files, wide_files, netns_hosts):
     base, adapter = tiny_files
     work = Path(tempfile.mkdtemp(prefix="wsnetns", dir="/tmp"))
+    net, cluster = netns_hosts.net, netns_hosts.cluster
     try:
-        with NamespaceHosts(HOSTS) as net, RayHosts(net, RAY, temp_dir=work / "ray") as cluster:
-            args = {"address": cluster.address, "hosts": [asdict(h) for h in net.hosts.values()], "base": str(base),
-                    "adapter": str(adapter), "wide_base": str(wide_files[0]), "wide_adapter": str(wide_files[1]),
-                    "timeout_s": TIMEOUT_S, "cut_timeout_s": CUT_TIMEOUT_S, "work": str(work)}
-            (work / "args.json").write_text(json.dumps(args))
-            out = subprocess.run(net.argv("trainers", [sys.executable, "-m", "tests.deploy.netns_driver",
-                                                       str(work / "args.json"), str(work / "out.json")]),
-                                 cwd=REPO, env=cluster.env, capture_output=True, text=True, timeout=720)
-            result = json.loads((work / "out.json").read_text()) if (work / "out.json").exists() else {}
-            yield {"rc": out.returncode, "log": out.stderr[-4000:], "hosts": net.hosts, **result}
+        args = {"address": cluster.address, "hosts": [asdict(h) for h in net.hosts.values()], "base": str(base),
+                "adapter": str(adapter), "wide_base": str(wide_files[0]), "wide_adapter": str(wide_files[1]),
+                "timeout_s": TIMEOUT_S, "cut_timeout_s": CUT_TIMEOUT_S, "work": str(work)}
+        (work / "args.json").write_text(json.dumps(args))
+        out = subprocess.run(net.argv("trainers", [sys.executable, "-m", "tests.deploy.netns_driver",
+                                                   str(work / "args.json"), str(work / "out.json")]),
+                             cwd=REPO, env=cluster.env, capture_output=True, text=True, timeout=720)
+        result = json.loads((work / "out.json").read_text()) if (work / "out.json").exists() else {}
+        yield {"rc": out.returncode, "log": out.stderr[-4000:], "hosts": net.hosts, **result}
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -2,11 +2,15 @@
 bytes are counted at the hosts' interfaces, and the JSON has the documented shape.
 
 Not a timed test: it checks structure and consistency (ratios equal the rows' quotients, wire bytes
-cover the payload), not speed. Skipped with the reason where network namespaces are not allowed.
+cover the payload), not speed. Skipped with the reason where network namespaces are not allowed. The rows
+run on the session's shared namespace hosts (``netns_hosts``, ``tests/shared_hosts.py``: the bench's
+``link_run.hosts_for_link`` hands them over instead of building its own), and the bench leaves them standing.
+It lives next to ``test_netns_sync.py``, the other user of those hosts, so they are not held idle in between.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -14,23 +18,29 @@ import subprocess
 import pytest
 
 from actors.cli import main
+from sync_service.bench import link_run
 from sync_service.bench.link_report import LINK_GOALS
 from sync_service.bench.rows import LINK_ROW_KINDS
-from sync_service.netns import available
+from tests.shared_hosts import HOSTS
 
 pytestmark = pytest.mark.multinode
 
-WHY = available()
-
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    if WHY is not None:
-        pytest.skip(WHY)
+def report(tmp_path_factory, netns_hosts):
     tmp = tmp_path_factory.mktemp("benchlink")
     out = tmp / "bench.json"
-    rc = main(["bench", "--quick", "--link-only", "--link", "1gbit", "--repeats", "1", "--bucket-mb", "1",
-               "--cache-dir", str(tmp / "cache"), "--timeout", "300", "--json", str(out)])
+
+    @contextlib.contextmanager
+    def shared(link, ray_config, _tmp):
+        assert (link, HOSTS.uplink_rate, tuple(netns_hosts.net.hosts)) == ("1gbit", "1gbit", link_run.HOSTS)
+        assert ray_config.object_store_bytes <= netns_hosts.cluster.config.object_store_bytes, ray_config
+        yield netns_hosts.net, netns_hosts.cluster
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(link_run, "hosts_for_link", shared)
+        rc = main(["bench", "--quick", "--link-only", "--link", "1gbit", "--repeats", "1", "--bucket-mb", "1",
+                   "--cache-dir", str(tmp / "cache"), "--timeout", "300", "--json", str(out)])
     result = json.loads(out.read_text())
     assert rc == 0, result["failed"]
     return result
@@ -67,9 +77,10 @@ def test_link_ratios_and_goals(report):
     assert report["config"]["links"] == ["1gbit"]
 
 
-def test_no_namespace_left_behind(report):
+def test_no_namespace_left_behind(report, netns_hosts):
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
     assert f"wsnet{os.getpid()}-" not in listed
+    assert netns_hosts.net.switch in listed, "the bench tore down hosts it did not build"
 
 
 @pytest.mark.parametrize("argv, message", [
