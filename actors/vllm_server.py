@@ -42,17 +42,19 @@ class VLLMServerActorCore:
         return False
 
     def served_weights(self, names: list[str] | None = None, values: bool = False) -> ServedWeights:
-        """Never yet: the served weights live in the server's worker, which has no read-back command;
-        compare generations (``complete``) instead."""
-        raise RuntimeError(f"{self.engine.engine_name()}: a vLLM server cannot read back its served weights "
-                           f"(served_weights needs the transformers or memory engine)")
+        """Per-tensor digests computed in the server's worker (``VLLMServerEngine.served_digests``: vLLM's names,
+        checkpoint copies where it keeps a tensor opaque)."""
+        from sync_service.engines.readback import served_from_rows
+
+        return served_from_rows(self.engine.engine_name(), *self.engine.served_digests(names, values))
 
     def send_weights(self, request: ExportRequest) -> ExportReport:
         """Never: a server's weights are not exported (a late joiner copies from an engine that can)."""
         raise RuntimeError(f"{self.engine.engine_name()}: a vLLM server cannot export its weights (can_export is False)")
 
     def open_transport(self, request: OpenChannel) -> None:
-        self.engine.open_transport(request.spec, request.plan, request.index, secret=request.secret)
+        self.engine.open_transport(request.spec, request.plan, request.index, secret=request.secret,
+                                   check_served=getattr(request, "check_served", "off"))
         self._owner = request.owner
 
     def close_transport(self, owner: str | None = None) -> None:

@@ -7,9 +7,11 @@ server (``verify.verdict.token_verdict``): ``/weight_info`` reports the version,
 greedy ``/v1/completions`` tokens equal, up to near-ties (``verify.tokens``), those of a fresh vLLM
 on PEFT's own ``merge_and_unload`` of that version (float64, cast once: ``demo_vllm.peft_versions``,
 the vLLM engine kind's oracle, ``verify.vllm_oracle``, run before any server starts). Versions
-continue above what a running server serves (``sync_cli.first_version``). JSON: the demo's shape
-plus ``"engine": "vllm-server"``; weight fields are ``null`` (vLLM's post-load layout is not the
-checkpoint's).
+continue above what a running server serves (``sync_cli.first_version``). Each server's weights are read back
+in its worker (the backend's ``served`` command: ``engines.vllm.served``) and judged against the fresh engine's
+read back (``demo_vllm.read_back_verdict``); ``--digests FILE`` writes them per version. JSON: the demo's shape
+plus ``"engine": "vllm-server"``; ``policy_kl`` is ``null`` (no full-vocabulary logprobs over HTTP yet),
+``policy_kl_floor`` is measured.
 """
 
 from __future__ import annotations
@@ -39,16 +41,18 @@ def _servers(cfg: RunConfig, stack: contextlib.ExitStack, log_dir: Path) -> list
                                                   log_dir=log_dir)).url for _ in range(cfg.engines)]
 
 
-def _verify(engine, name: str, v: int, expected: list, cfg: RunConfig) -> dict:
+def _verify(engine, name: str, v: int, expected: list, served: list, cfg: RunConfig) -> dict:
     import ray
 
     from sync_service.engines.vllm.fused import checkpoint_dtype
+    from sync_service.entrypoints.demo_vllm import read_back_verdict
     from sync_service.verify.verdict import token_verdict
 
     got = ray.get(engine.complete.remote([list(p) for p in PROMPTS], MAX_NEW_TOKENS), timeout=cfg.timeout_s)
     version = ray.get(engine.weight_version.remote(), timeout=cfg.timeout_s)
-    return {"engine": name, **token_verdict(expected, [g["tokens"] for g in got], version, expected_version=v,
-                                            dtype=checkpoint_dtype(cfg.base), accumulate_dtype=cfg.accumulate_dtype)}
+    check = token_verdict(expected, [g["tokens"] for g in got], version, expected_version=v,
+                          dtype=checkpoint_dtype(cfg.base), accumulate_dtype=cfg.accumulate_dtype)
+    return {"engine": name, **read_back_verdict(check, engine, served, cfg)}
 
 
 def run_server(cfg: RunConfig, launcher) -> list[VersionRow]:
@@ -59,7 +63,9 @@ def run_server(cfg: RunConfig, launcher) -> list[VersionRow]:
     from sync_service.api import WeightSync
     from sync_service.entrypoints.demo_vllm import peft_versions
     from sync_service.entrypoints.sync_cli import first_version, start_ray, sync_config
-    from sync_service.verify.vllm_oracle import fresh_decodes
+    from sync_service.entrypoints.sync_cli import write_digests
+    from sync_service.verify.policy_kl import policy_check
+    from sync_service.verify.vllm_oracle import fresh_reference
 
     if cfg.adapter is None:
         raise ValueError("--engine vllm-server needs --adapter (versions differ by their factors)")
@@ -69,9 +75,10 @@ def run_server(cfg: RunConfig, launcher) -> list[VersionRow]:
     with contextlib.ExitStack() as stack:
         stack.callback(shutil.rmtree, tmp, True)
         steps.step(f"merging {cfg.versions} version(s) with PEFT and decoding them on fresh vLLM engines (the oracle)")
-        merged = peft_versions(cfg.base, cfg.adapter, cfg.versions, cfg.work_dir or tmp / "work")
-        expected = fresh_decodes({str(k): d for k, d in merged.items()}, PROMPTS, MAX_NEW_TOKENS,
-                                 timeout_s=max(600.0, cfg.timeout_s))
+        work = cfg.work_dir or tmp / "work"
+        merged = peft_versions(cfg.base, cfg.adapter, cfg.versions, work)
+        fresh = fresh_reference({str(k): d for k, d in merged.items()}, PROMPTS, MAX_NEW_TOKENS,
+                                timeout_s=max(600.0, cfg.timeout_s))
         steps.step("vLLM server(s): " + ("connecting" if cfg.vllm_urls else f"starting {cfg.engines} on this machine"))
         urls = _servers(cfg, stack, tmp)
         steps.step("starting a local Ray and the trainer shards")
@@ -90,8 +97,14 @@ def run_server(cfg: RunConfig, launcher) -> list[VersionRow]:
             if k:
                 ray.get([t.train_step.remote(k) for t in trainers], timeout=cfg.timeout_s)
             m = sync.push(v)
-            rows.append(VersionRow.of(v, m, [_verify(e, f"server{i}", v, expected[str(k)], cfg)
+            rows.append(VersionRow.of(v, m, [_verify(e, f"server{i}", v, fresh.decodes[str(k)], fresh.served[str(k)], cfg)
                                              for i, e in enumerate(engines)]))
+            floor, kls = policy_check(cfg.base, work / f"v{k}" / "adapter", engines, timeout_s=cfg.timeout_s)
+            rows[-1].policy_kl_floor = floor
+            for row, kl in zip(rows[-1].engines, kls):
+                row["policy_kl"] = kl
+            if cfg.digests_path is not None:
+                write_digests(cfg.digests_path, v, engines, cfg.timeout_s)
             print_row(rows[-1])
         sync.close()
     return rows

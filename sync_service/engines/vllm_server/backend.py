@@ -14,7 +14,7 @@ point) and calls it from its RL endpoints (``VLLM_SERVER_DEV_MODE=1``):
 - ``/finish_weight_update`` → commit the received version (the version the authenticated stream
   carried); with nothing received (an aborted sync), nothing changes.
 - ``/collective_rpc`` ``weight_transfer_engine`` → ``__call__`` commands: ``table``, ``status``,
-  ``abort`` (see ``wire``).
+  ``served`` (digests of what the worker serves: ``engines.vllm.served``), ``abort`` (see ``wire``).
 
 Every call runs inside vLLM's engine-core loop: no generation step runs while one is in progress.
 """
@@ -31,8 +31,9 @@ from vllm.distributed.weight_transfer.base import (
 from protocols.wire import SyncPlan
 from protocols.wire_check import decode
 from sync_service.coordinator.planning import validate_plan
+from sync_service.engines.served_check import install
 from sync_service.engines.vllm_server.staging import fused_worker_engine
-from sync_service.engines.vllm_server.wire import InitInfo, command_op, verify_command
+from sync_service.engines.vllm_server.wire import InitInfo, b64, command_op, served_request, verify_command
 from sync_service.streaming.receiver import ApplyStats, BucketReceiver
 from sync_service.transports import TransportSpec, open_receiver
 
@@ -113,7 +114,8 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         self.shutdown()
         self._transport = open_receiver(TransportSpec.from_bytes(spec_bytes), receiver=receiver)
         self._secret, self._nonce = secret, 0
-        self._receiver = BucketReceiver(self._engine(), plan, receiver=receiver, secret=secret)
+        updater = install(self._engine(), getattr(init_info, "check_served", "off"), "vllm-server worker")
+        self._receiver = BucketReceiver(updater, plan, receiver=receiver, secret=secret)
 
     def start_weight_update(self) -> None:
         if self._receiver is None:
@@ -150,16 +152,23 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
     # -- weightsync's commands (``/collective_rpc``) -----------------------------------------
     def __call__(self, op: str, body: str = "") -> dict | list:
         """``table``: ``[[name, dtype, shape], ...]``; ``status``: ``{"version", "received", "error"}``;
-        ``abort`` (authenticated): drop the received sync, reload the served version.
+        ``served`` (body ``{"names": [...] | null, "values": bool}``): ``{"version", "rows": [[name, dtype, shape,
+        xxh3_64, source, base64 bytes | null], ...]}``; ``abort`` (authenticated): drop the received sync, reload
+        the served version.
 
         Raises:
-            ValueError: unknown op; PermissionError: a bad or replayed ``abort``.
+            ValueError: unknown op or a ``served`` body that is not that object; PermissionError: a bad or
+                replayed ``abort``; KeyError: ``served`` of a name not served here.
         """
         if op == "table":
             return [[m.name, m.dtype, list(m.shape)] for m in self._engine().param_metas()]
         if op == "status":
             received = None if self._received is None else _stats(self._received)
             return {"version": self._engine().weight_version(), "received": received, "error": self._error}
+        if op == "served":
+            names, values = served_request(body)
+            version, rows = self._engine().served_digests(names, values)
+            return {"version": version, "rows": [[*r[:5], None if r[5] is None else b64(r[5])] for r in rows]}
         if op in ("commit", "abort"):
             fields = _command_fields(op, body)
             self._nonce = verify_command(self._secret, command_op(op, fields), body, self._nonce)
@@ -175,7 +184,7 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
             if self._received is not None and (token is None or self._received.update_id == token):
                 self._received = None
             return {"aborted": bool(aborted)}
-        raise ValueError(f"unknown weightsync command {op!r}; use table, status or abort")
+        raise ValueError(f"unknown weightsync command {op!r}; use table, status, served or abort")
 
     def _engine(self):
         if self._adapter is None:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from protocols.interfaces import PauseMode
 from sync_service.engines.vllm_server.client import ServerClient, ServerRequestError, ServerSetupError
-from sync_service.engines.vllm_server.wire import BACKEND, COMMAND_METHOD, InitInfo, command_body, command_op
+from sync_service.engines.vllm_server.wire import BACKEND, COMMAND_METHOD, InitInfo, command_body, command_op, served_body, unb64
 from sync_service.transports import TransportSpec
 
 __all__ = ["ServerGeneration", "VLLMServerConfig", "VLLMServerEngine"]
@@ -121,12 +121,14 @@ class VLLMServerEngine:
     def can_export(self) -> bool:
         return False
 
-    def open_transport(self, spec_bytes: bytes, plan_bytes: bytes, receiver: int, *, secret: bytes | None = None) -> None:
+    def open_transport(self, spec_bytes: bytes, plan_bytes: bytes, receiver: int, *, secret: bytes | None = None,
+                       check_served: str = "off") -> None:
         """Open the server worker's receiver side (``/init_weight_transfer_engine``; blocks until the
-        trainers connect). The plan is checked there against the worker's table before any byte."""
+        trainers connect). The plan is checked there against the worker's table before any byte; the worker
+        installs the served check (``check_served``, ``engines.served_check``) in its commit gate."""
         spec = TransportSpec.from_bytes(spec_bytes)
         self._secret = secret
-        info = InitInfo.make(spec_bytes, plan_bytes, receiver, secret).to_json()
+        info = InitInfo.make(spec_bytes, plan_bytes, receiver, secret, check_served).to_json()
         self._client.post("/init_weight_transfer_engine", {"init_info": info}, timeout_s=spec.connect_timeout_s + 30)
 
     def close_transport(self) -> None:
@@ -206,6 +208,15 @@ class VLLMServerEngine:
         ``wait_s`` ... ``total_s``) or ``None``; ``error``: the last failed receive's error text or ``None``."""
         return self._command("status")
 
+    def served_digests(self, names: Sequence[str] | None = None, values: bool = False) -> tuple[int | None, list[list]]:
+        """``(version, rows)``: per tensor the server's worker serves, ``[name, dtype, shape, xxh3_64, source, bytes |
+        None]`` (``engines.vllm.served``), computed in the worker inside vLLM's engine-core loop (no generation
+        step in between). Raises ``ServerRequestError`` (a name not served there; an update between receive and
+        commit)."""
+        answer = self._command("served", body=served_body(None if names is None else list(names), values))
+        rows = [[*r[:5], None if r[5] is None else unb64(r[5], "served bytes")] for r in answer["rows"]]
+        return answer["version"], rows
+
     # -- serving (verification, tests) ---------------------------------------------------------
     def complete(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[ServerGeneration]:
         """Greedy ``/v1/completions`` of token-id prompts, with each token's logprob."""
@@ -230,10 +241,9 @@ class VLLMServerEngine:
         self._client.post("/resume")
 
 
-    def _command(self, op: str, *, authenticated: bool = False, fields: dict | None = None) -> object:
+    def _command(self, op: str, *, authenticated: bool = False, body: str = "", fields: dict | None = None) -> object:
         """``fields``: arguments of an authenticated command (``version``, ``update_id``), covered by its mac
         (``wire.command_op``)."""
-        body = ""
         if authenticated:
             self._nonce += 1
             body = json.dumps({**json.loads(command_body(self._secret, command_op(op, fields), self._nonce)),

@@ -54,6 +54,14 @@ class WorkerEngine:
     def weight_version(self) -> int | None:
         return self._version
 
+    def record_applied(self, on: bool) -> None:
+        """The served check (``engines.served_check``): the worker's store records what each apply hands it."""
+        self._sync.store.record_applied(on)
+
+    def served_digests(self, names: Sequence[str] | None = None, values: bool = False) -> tuple[int | None, list[list]]:
+        """``(version, rows)`` of what the worker serves (``WorkerSync.served``)."""
+        return self._version, self._sync.served(names, values)
+
     def begin_update(self, version: int, names: Sequence[str], *, reset_versions: bool = False) -> str:
         """Returns the update token (``CommitGate.begin``; raises its refusals, nothing staged)."""
         update_id = self.commit_gate.begin(version, reset_versions=reset_versions)

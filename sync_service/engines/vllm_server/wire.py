@@ -10,7 +10,7 @@ No vLLM, Ray or torch import: both sides use it. Three messages:
   sync within ``t`` seconds.
 - **commands** (``POST /collective_rpc``, ``{"method": "weight_transfer_engine", "args": [op, body]}``):
   vLLM calls the worker's backend object with the two strings (``WeightsyncTransferEngine.__call__``)
-  and returns its JSON result. ``table`` and ``status`` only read; ``abort`` changes state and must
+  and returns its JSON result. ``table``, ``status`` and ``served`` only read; ``abort`` changes state and must
   carry ``command_mac`` of the session secret over ``(op, nonce)`` with a nonce larger than any
   seen before (a replayed abort is refused).
 """
@@ -23,7 +23,8 @@ import hmac
 import json
 from dataclasses import dataclass, field
 
-__all__ = ["BACKEND", "COMMAND_METHOD", "InitInfo", "command_body", "command_mac", "verify_command"]
+__all__ = ["BACKEND", "COMMAND_METHOD", "InitInfo", "b64", "command_body", "command_mac", "served_body", "served_request",
+           "unb64", "verify_command"]
 
 BACKEND = "weightsync"
 """The backend name the server is started with: ``--weight-transfer-config '{"backend": "weightsync"}'``."""
@@ -31,15 +32,39 @@ COMMAND_METHOD = "weight_transfer_engine"
 """The worker attribute ``/collective_rpc`` calls: vLLM's worker holds the backend under this name."""
 
 
-def _b64(data: bytes) -> str:
+def b64(data: bytes) -> str:
+    """``data`` as base64 text (JSON bodies carry bytes so)."""
     return base64.b64encode(data).decode("ascii")
 
 
-def _unb64(text: str, what: str) -> bytes:
+def unb64(text: str, what: str) -> bytes:
+    """The bytes of base64 ``text``. Raises ``ValueError`` naming ``what`` when it is not base64."""
     try:
         return base64.b64decode(text.encode("ascii"), validate=True)
-    except (ValueError, UnicodeEncodeError) as exc:
-        raise ValueError(f"init_info.{what} is not base64: {exc}") from None
+    except (ValueError, UnicodeEncodeError, AttributeError) as exc:
+        raise ValueError(f"{what} is not base64: {exc}") from None
+
+
+def served_body(names: list[str] | None, values: bool) -> str:
+    """The JSON body string of a ``served`` command (read only, not authenticated)."""
+    return json.dumps({"names": names, "values": bool(values)})
+
+
+def served_request(body: str) -> tuple[list[str] | None, bool]:
+    """``(names, values)`` of a ``served`` command body.
+
+    Raises:
+        ValueError: not ``{"names": [str, ...] | null, "values": bool}``.
+    """
+    try:
+        msg = json.loads(body or "{}")
+    except ValueError:
+        raise ValueError("command 'served': body must be JSON {\"names\": [...] | null, \"values\": bool}") from None
+    names, values = (msg.get("names"), msg.get("values", False)) if isinstance(msg, dict) else (0, 0)
+    if not (names is None or (isinstance(names, list) and all(isinstance(n, str) for n in names))) \
+            or not isinstance(values, bool):
+        raise ValueError("command 'served': body must be JSON {\"names\": [str, ...] | null, \"values\": bool}")
+    return names, values
 
 
 @dataclass(kw_only=True, slots=True)
@@ -54,13 +79,18 @@ class InitInfo:
     """This server's receiver index on the channel."""
     secret: str = field(default="", repr=False)
     """The session's HMAC key, base64 (empty: buckets are not authenticated)."""
+    check_served: str = "off"
+    """The served check the worker runs before it votes (``SyncConfig.check_served``: off, log, enforce)."""
 
     @classmethod
-    def make(cls, spec: bytes, plan: bytes, receiver: int, secret: bytes | None) -> "InitInfo":
-        return cls(spec=_b64(spec), plan=_b64(plan), receiver=receiver, secret=_b64(secret or b""))
+    def make(cls, spec: bytes, plan: bytes, receiver: int, secret: bytes | None,
+             check_served: str = "off") -> "InitInfo":
+        return cls(spec=b64(spec), plan=b64(plan), receiver=receiver, secret=b64(secret or b""),
+                   check_served=check_served)
 
     def to_json(self) -> dict:
-        return {"spec": self.spec, "plan": self.plan, "receiver": self.receiver, "secret": self.secret}
+        return {"spec": self.spec, "plan": self.plan, "receiver": self.receiver, "secret": self.secret,
+                "check_served": self.check_served}
 
     def decoded(self) -> tuple[bytes, bytes, int, bytes | None]:
         """``(spec bytes, plan bytes, receiver, secret or None)``.
@@ -70,8 +100,8 @@ class InitInfo:
         """
         if type(self.receiver) is not int or self.receiver < 0:
             raise ValueError(f"init_info.receiver={self.receiver!r} must be an int >= 0")
-        secret = _unb64(self.secret, "secret")
-        return _unb64(self.spec, "spec"), _unb64(self.plan, "plan"), self.receiver, secret or None
+        secret = unb64(self.secret, "init_info.secret")
+        return unb64(self.spec, "init_info.spec"), unb64(self.plan, "init_info.plan"), self.receiver, secret or None
 
 
 def command_mac(secret: bytes, op: str, nonce: int) -> str:
