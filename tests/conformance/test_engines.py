@@ -131,6 +131,39 @@ def test_versions_are_fenced_at_the_engine(case):
     case.next_version()  # the version numbers of later tests stay above the served one
 
 
+def test_a_pre_commit_check_refusal_keeps_the_served_version(case):
+    """A check plugged into the engine's gate (``CommitGate.set_check``) votes at the end of ``finish_update``:
+    its refusal aborts the update there (named), the engine serves its previous version bitwise, and the next
+    sync commits once the check passes. (The server's gate lives in its worker: checked there by the served
+    check's own tests.)"""
+    from sync_service.engines.commit_gate import CommitRefused
+
+    engine = case.engine
+    if engine.commit_gate is None:
+        pytest.skip("the gate lives in the server's worker process")
+    before, served = case.served(), engine.weight_version()
+    seen = []
+
+    def check(update):
+        seen.append((update.version, update.served, len(update.names), sum(update.applied.values())))
+        raise CommitRefused("model.norm.weight: injected refusal")
+
+    engine.commit_gate.set_check("probe", check)
+    try:
+        version = case.next_version()
+        with pytest.raises(CommitRefused, match=f"version {version} refused by the probe check: model.norm.weight"):
+            _finished(case, version, "b")
+    finally:
+        engine.commit_gate.set_check("probe", None)
+    numel = sum(t.numel() for t in case.versions["b"].values())
+    assert seen and seen[0][:2] == (version, served) and seen[0][3] == numel  # every element applied once
+    assert engine.weight_version() == served and case.served() == before
+    with pytest.raises(RuntimeError):
+        engine.commit(version)  # the refused update is gone
+    assert case.served() == before
+    case.push("a")
+
+
 def test_commit_is_atomic_under_concurrent_generation(case):
     expected = {}
     va = case.push("a")

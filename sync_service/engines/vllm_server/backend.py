@@ -64,7 +64,8 @@ def _command_fields(op: str, body: str) -> dict:
     try:
         msg = json.loads(body)
         fields = {k: msg[k] for k in (("version", "update_id") if op == "commit" else ("update_id",)) if k in msg}
-        if op == "commit" and (type(fields.get("version")) is not int or not isinstance(fields.get("update_id"), str)):
+        if op == "commit" and (type(fields.get("version")) is not int or not isinstance(fields.get("update_id"), str)
+                               or not fields["update_id"]):
             raise KeyError("version")
     except (ValueError, KeyError, TypeError):
         raise ValueError(f"command {op!r}: body must be a JSON object with nonce, mac"
@@ -142,7 +143,8 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         """Commit the received version; nothing when the sync was aborted or failed."""
         if self._received is not None:
             received, self._received = self._received, None
-            self._engine().commit(received.version, received.update_id or None)
+            if self._engine().commit_gate.staged_id == received.update_id:  # still the update staged
+                self._engine().commit(received.version, received.update_id)
 
     def shutdown(self) -> None:
         if self._transport is not None:

@@ -174,6 +174,9 @@ class VLLMServerEngine:
                 begins cleanly); another handle's update is never touched.
         """
         token = update_id or self._update_id
+        if not token:
+            raise RuntimeError(f"{self.name}: commit({version}) refused: this handle staged no update (receive first); "
+                               f"version {self.weight_version()} stays served")
         try:
             self._command("commit", authenticated=True, fields={"version": version, "update_id": token})
         except ServerRequestError as exc:
@@ -190,13 +193,14 @@ class VLLMServerEngine:
         """Drop the update of ``update_id`` (``None``: this handle's last received one; the server reloads its
         served version; another update's token does nothing there), close vLLM's update, resume."""
         token = update_id or self._update_id
+        if token:
+            self._command("abort", authenticated=True, fields={"update_id": token})
+        if token != self._update_id:
+            return  # another update's token: this handle's own update and vLLM's update session stay
         if self._active:
-            if token:
-                self._command("abort", authenticated=True, fields={"update_id": token})
             self._client.post("/finish_weight_update", {})
             self._active = False
-        if token == self._update_id:
-            self._update_id = ""
+        self._update_id = ""
         self._reopen()
 
     def reset_caches(self) -> None:
