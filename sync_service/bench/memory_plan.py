@@ -19,7 +19,7 @@ PROCESS_BYTES = 700 << 20
 ROW_MEMORY: dict[str, tuple[float, int]] = {
     "live_fsdp2": (4.0, 3),     # rank 0 reads the base (1) and keeps its shard (0.5), rank 1 its shard; engine 2
     "live_hsdp": (4.5, 5),      # rank 0: 1 + 0.5, three ranks 0.5 each; engine 2; 4 ranks + engine
-    "live_fsdp2_tp": (4.5, 5),  # as HSDP (shard 2 x tp 2: a quarter each, rank 0 reads the whole base)
+    "live_fsdp2_tp": (6.0, 5),  # every rank reads the whole base (TP's parallelize_module scatters from it); engine 2
     "live_fsdp2_ep": (6.0, 5),  # every ep rank reads the whole base before sharding it (example_ep); engine 2
     "gather": (5.0, 3),         # the merged state dict in a trainer, the object store, the engine's copy + params
 }

@@ -107,14 +107,16 @@ class ExampleTrainingRank:
         (``example_ep.py``); without one, plain expert blocks (``expert_range=``);
         ``restore``: the whole adapter of a checkpoint (``adapter_state``) to resume from (not under EP);
         ``dtype``: the torch dtype name the base is loaded in (the engines' dtype). Under FSDP2 (``mode="fsdp2"``,
-        no ``restore``) only rank 0 reads the checkpoint; the others build the model weightless and receive their
+        no ``restore``, no ``tp``) only rank 0 reads the checkpoint; the others build the model weightless and receive their
         shards (``example_load.py``)."""
         from peft import get_peft_model
         from transformers import AutoModelForCausalLM
 
         self.mode, self._step, self._ep_mesh = mode, 0, None
         blocks = mode == "ep" and mesh_shape is None  # plain expert blocks
-        from_rank0 = mode == "fsdp2" and restore is None  # FSDP2 / HSDP / FSDP2 x TP: rank 0 reads, others get shards
+        # FSDP2 / HSDP: rank 0 reads, the others get their shards; not under TP (parallelize_module scatters from
+        # every TP group's first rank, which would hold no values)
+        from_rank0 = mode == "fsdp2" and restore is None and not tp
         if from_rank0 and self.rank != 0:
             base = empty_base(base_dir, getattr(torch, dtype))
         else:
