@@ -5,8 +5,9 @@ with its reason (``report["skipped"]``) instead of being killed by the kernel or
 ``ROW_MEMORY``: row kind -> (model copies, processes). A row needs about ``copies`` x the bf16 model bytes
 held at once over all its processes (trainer shards, engine served + staging copies, a rank loading the
 base) plus ``PROCESS_BYTES`` per process (a Ray worker with torch and transformers imported); measured at 1x
-on this 2-core, 24 GB machine (2026-12-05: 4 HSDP ranks peaked at 3.05 + 3 x 1.10 GB of a 1.07 GB base while
-loading, its engine at ~2.3 GB), rounded up. Rows without an entry are small next to these and always run.
+on this 2-core, 24 GB machine (2026-12-05: 4 HSDP ranks peaked at 3.0 + 3 x 1.1 GiB of a 1.07 GB base while
+loading; each had reached ~2.5 GiB when every rank loaded the whole base), rounded up. Rows without an entry are
+small next to these and always run.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ one tensor at a time, each rank keeping only its own shards (``set_model_state_d
 broadcast_from_rank0=True)``, torch's DCP state-dict API; torchtitan and TRL's FSDP2 path load this way).
 
 Memory: rank 0 holds the base once while it is broadcast, every other rank its shards plus one tensor in
-flight — not ``world`` whole copies (each rank loading the whole base before sharding it held ~2.6 GB per rank
-of a 1 GB bf16 base at peak on a 2-rank FSDP2 job; four HSDP ranks of a 2 GB base did not fit a 24 GB host).
+flight — not ``world`` whole copies (each rank loading the whole base before sharding it peaked at ~2.5 GiB
+of a 1 GB bf16 base on a 2-rank FSDP2 job; four HSDP ranks of a 2 GB base did not fit a 24 GB host).
 """
 
 from __future__ import annotations
