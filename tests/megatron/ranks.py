@@ -102,6 +102,7 @@ def save_lora_checkpoint(rank: int, world: int, hf_dir: str, out: str, tp: int, 
     if rank == 0:
         Path(out, "run_config.yaml").write_text(
             f"peft:\n  _target_: megatron.bridge.peft.lora.LoRA\n  dim: {LORA_DIM}\n  alpha: {LORA_ALPHA}\n")
+    dump_placements(model, str(Path(out).parent / f"placements{rank}"))
     # beside the checkpoint: Megatron-Bridge's merged export and Megatron's forward at the saving parallelism
     from safetensors.torch import save_file
 
@@ -186,3 +187,21 @@ def bridge_mapping(rank: int, world: int, out: str) -> None:
         hf = mapping.hf_param
         rows.append([mapping.megatron_param, list(hf.values()) if isinstance(hf, dict) else [hf]])
     Path(out).write_text(json.dumps(rows))
+
+
+def dump_placements(model, prefix: str) -> None:
+    """This rank's ``local_placements`` (JSON) and its parameters (safetensors), for ``assemble`` in the test."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from sync_service.megatron.placement import local_placements
+
+    rows, tensors = [], {}
+    params = {n: p for chunk in model for n, p in chunk.named_parameters()}
+    for p in local_placements(model):
+        rows.append({"name": p.name, "key": p.key, "role": p.role, "shape": list(p.global_shape), "sender": p.sender,
+                     "pieces": [[list(map(list, box)), [[s.start, s.stop] for s in index]] for box, index in p.pieces]})
+        tensors[p.name] = params[p.name].detach().clone()
+    Path(prefix + ".json").write_text(json.dumps(rows))
+    save_file(tensors, prefix + ".safetensors")
