@@ -53,9 +53,9 @@ class ReplicasDisagreeError(ValueError):
         differing: per differing part, its holders grouped by equal value (group ranks, ascending).
     """
 
-    def __init__(self, message: str, differing: dict[ReplicaPart, tuple[tuple[int, ...], ...]]) -> None:
-        super().__init__(message)
-        self.differing = differing
+    def __init__(self, message: str, differing: dict[ReplicaPart, tuple[tuple[int, ...], ...]] | None = None) -> None:
+        super().__init__(message)  # args == (message,): it pickles (Ray carries it to the coordinator as itself)
+        self.differing = differing or {}
 
 
 def digest(t: torch.Tensor) -> int:

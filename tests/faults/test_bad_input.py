@@ -49,7 +49,8 @@ def test_tampered_bucket_refused_nothing_applied(pool, synced, mode, field):
     twice, swapped with bucket 0): every engine refuses it, the push fails naming the field, no
     engine changes, and the next push goes through."""
     sync, trainers, engines = synced
-    ray.get([t.train_step.remote(pool.next_version()) for t in trainers], timeout=30)
+    step = pool.next_version()  # one step for every rank: replicas must agree
+    ray.get([t.train_step.remote(step) for t in trainers], timeout=30)
     before = served(engines)
     ray.get(trainers[0].__ray_call__.remote(inject.tamper_frames, mode), timeout=30)
     with pytest.raises(SyncError, match=field.replace(".", r"\.")) as err:
@@ -112,7 +113,8 @@ def test_non_finite_factors_refused_on_every_push(pool, synced):
         assert_unchanged(engines, before, "after a NaN factor was refused")
     finally:
         ray.get(trainers[1].set_factors.remote({key: factors[key]}), timeout=30)
-    ray.get([t.train_step.remote(pool.next_version()) for t in trainers], timeout=30)
+    step = pool.next_version()  # one step for every rank: replicas must agree
+    ray.get([t.train_step.remote(step) for t in trainers], timeout=30)
     v = pool.next_version()
     assert all(e.committed for e in sync.push(v).engines)
     assert ray.get([e.weight_version.remote() for e in engines], timeout=30) == [v, v]

@@ -96,3 +96,14 @@ def test_digest_reads_bytes_of_any_dtype_and_layout():
     assert digest(t.t()) == digest(t.t().contiguous()) != digest(t)
     assert digest(t.bfloat16()) != digest(t) and digest(t[:0]) == digest(torch.empty(0))
     assert -(1 << 63) <= digest(t) < 1 << 63
+
+
+def test_the_error_pickles_as_itself():
+    """Ray carries a trainer's error to the coordinator pickled: it arrives as itself, with what differs."""
+    import pickle
+
+    from sync_service.sharding.replicas import ReplicaPart, ReplicasDisagreeError
+
+    err = pickle.loads(pickle.dumps(ReplicasDisagreeError("replicas disagree", {ReplicaPart(PLAIN): ((0,), (1,))})))
+    assert isinstance(err, ReplicasDisagreeError) and str(err) == "replicas disagree"
+    assert err.differing == {ReplicaPart(PLAIN): ((0,), (1,))}
