@@ -18,6 +18,8 @@ PROCESS_BYTES = 700 << 20
 """Resident bytes of one Ray actor process with torch, transformers and PEFT imported, before any model."""
 
 ROW_MEMORY: dict[str, tuple[float, int]] = {
+    "ours": (3.0, 3),           # delta + full: the engine's served + staging copies, the trainers' shards; not
+                                # counted: the 4-engine row's 3 more engines (~9 GB at 1x, --fanout-max-size 1)
     "live_fsdp2": (4.0, 3),     # rank 0 reads the base (1) and keeps its shard (0.5), rank 1 its shard; engine 2
     "live_hsdp": (4.5, 5),      # rank 0: 1 + 0.5, three ranks 0.5 each; engine 2; 4 ranks + engine
     "live_fsdp2_tp": (6.0, 5),  # every rank reads the whole base (TP's parallelize_module scatters from it); engine 2

@@ -91,7 +91,8 @@ def _one_host(model, cfg: BenchConfig, size: int, rows: list[Row], failed: list[
 
     if not ray.is_initialized():
         start_ray(ray_temp(tmp))
-    guarded(failed, "ours", size, say, lambda: run_ours(model, cfg, size, rows, launcher, say=say))
+    if _fits("ours", size, model, skipped, say):
+        guarded(failed, "ours", size, say, lambda: run_ours(model, cfg, size, rows, launcher, say=say))
     for kind in LIVE_KINDS:
         if cfg.runs(kind, size) and _fits(kind, size, model, skipped, say):
             guarded(failed, kind, size, say,
