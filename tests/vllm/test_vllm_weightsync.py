@@ -42,7 +42,7 @@ def test_two_ep_trainers_to_one_vllm_engine_two_versions(tmp_path: Path) -> None
     merged = peft_versions(Path(base), Path(adapter), VERSIONS, tmp_path / "work")
     expected = fresh_tokens({"base": base}, PROMPTS, MAX_NEW_TOKENS)
     fresh = fresh_reference({str(v): d for v, d in merged.items()}, PROMPTS, MAX_NEW_TOKENS)
-    expected.update({k: [d.tokens for d in decodes] for k, decodes in fresh.decodes.items()})
+    expected.update({k: [list(d.tokens) for d in decodes] for k, decodes in fresh.decodes.items()})
     assert expected["0"] != expected["base"], "the adapter does not change the greedy tokens; the test would not see a sync"
 
     with local_ray():
