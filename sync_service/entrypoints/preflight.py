@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -176,11 +178,34 @@ def check_run_arguments(args: argparse.Namespace) -> None:
         for field_name, name in SYNC_CONFIG_FLAGS.items():
             text = text.replace(f"SyncConfig.{field_name}", name)
         fail(args, text)
-    if args.json is not None and not args.json.parent.is_dir():
-        fail(args, f"--json {args.json}: directory {args.json.parent} does not exist; create it or choose another path")
+    for flag in ("--json", "--digests"):
+        check_output_file(args, flag, getattr(args, flag[2:], None))
     if getattr(args, "versions", None) is not None:
         check_version_range(args, args.versions)
     check_temp_dir(args)
+
+
+def check_output_file(args: argparse.Namespace, flag: str, path: Path | None) -> None:
+    """``path`` (a ``--json`` / ``--digests`` output, ``{"versions": [...]}``) can be written after the run and
+    overwrites nothing but such a file: its directory exists and is writable, it is no directory, and an existing
+    file there is a JSON object with a ``versions`` list (a file the run wrote before, never an input such as a
+    checkpoint's config.json). Exits 2 naming the flag, the path and the fix."""
+    if path is None:
+        return
+    if not path.parent.is_dir():
+        fail(args, f"{flag} {path}: directory {path.parent} does not exist; create it or choose another path")
+    if path.is_dir():
+        fail(args, f"{flag} {path} is a directory; give a file path, e.g. {path / 'out.json'}")
+    if not os.access(path.parent, os.W_OK) or path.exists() and not os.access(path, os.W_OK):
+        fail(args, f"{flag} {path}: not writable by this user; choose a path under a writable directory")
+    if path.exists():
+        try:
+            doc = json.loads(path.read_bytes())
+        except (OSError, ValueError):
+            doc = None
+        if not isinstance(doc, dict) or not isinstance(doc.get("versions"), list):
+            fail(args, f"{flag} {path} exists and is not a file weightsync wrote (a JSON object with a 'versions' "
+                       f"list); it would be overwritten: remove it or choose another path")
 
 
 def check_version_range(args: argparse.Namespace, versions: int, flag: str = "--versions") -> None:

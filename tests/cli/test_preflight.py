@@ -285,3 +285,19 @@ def test_relative_paths_reach_the_runner_absolute(files, monkeypatch, capsys):
     assert (seen["run"].model.base, seen["run"].model.adapter) == (files["base"], files["lora"])
     fails(capsys, ["run", "--config", "run.yaml", "--address", "ray://head:10001"],
           f"{files['root'] / 'run.yaml'}: model.base base is relative", "give an absolute path")
+
+
+def test_output_files_are_checked_before_ray_and_never_clobber_an_input(files, tmp_path, capsys):
+    """``--digests`` / ``--json``: an unwritable place, a directory, or an existing file weightsync did not write
+    (here the base's own config.json, which ``--digests`` used to overwrite after the run) is refused before Ray."""
+    sync = ["sync", "--base", str(files["base"]), "--adapter", str(files["lora"])]
+    config = files["base"] / "config.json"
+    before = config.read_bytes()
+    for flag in ("--digests", "--json"):
+        fails(capsys, sync + [flag, str(config)], flag, "exists and is not a file weightsync wrote", "remove it")
+        fails(capsys, sync + [flag, str(tmp_path)], flag, "is a directory")
+        fails(capsys, sync + [flag, str(tmp_path / "no" / "d.json")], flag, "does not exist")
+    assert config.read_bytes() == before
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text('{"versions": []}')
+    fails(capsys, sync + ["--digests", str(earlier), "--timeout", "0"], "--timeout=0.0")  # a run's own file passes
