@@ -116,7 +116,7 @@ class LiveState:
         """
         if self._gather is not None:
             self._gather.exchange()
-        if self.world > 1:
+        if self.world > 1 and self._has_group():
             parts = factor_parts(self.factors, self.spec, group_ranks(self.group, self.world))
             self._picks = [pick for _, pick in parts]
             self._replicas = ReplicaCheck([part for part, _ in parts], group=self.group, rank=self.rank,
@@ -196,6 +196,15 @@ class LiveState:
         """
         if self._replicas is not None:
             self._replicas.check([pick(factors) for pick in self._picks], what=what)
+
+    def _has_group(self) -> bool:
+        """Whether this rank has peers to talk to: a group was given or the default group exists. A rank loaded
+        alone (``load_rank`` in one process with no group: inspecting one rank's shard) has none, so it checks no
+        replicas; every rank that pushes has one (``TrainerShard`` makes its group before ``load_rank``,
+        ``attach_trainer`` runs in an initialized job)."""
+        import torch.distributed as dist
+
+        return self.group is not None or dist.is_initialized()
 
     def _group_device(self) -> torch.device:
         """Where ``group``'s collectives take their tensors (``transports.devices.group_device``)."""
