@@ -17,9 +17,10 @@ from sync_service.entrypoints.cli import main
 from tests.megatron.ranks import LORA_ALPHA, TOKENS, bridge_export, run_ranks, save_lora_checkpoint
 
 BOUND = 1e-6  # fp32: Bridge merges in fp32, weightsync accumulates in fp32 too and casts once
-# The checkpoint's parallelism. TP=2 x EP=2 x expert-TP=2 on 4 gloo ranks ({"tp": 2, "ep": 2, "etp": 2, "pp": 1,
-# "world": 4}) is what the issue asks; this module has run green at TP=1 only so far.
-MESH = {"tp": 1, "ep": 1, "etp": 1, "pp": 1, "world": 1}
+# The checkpoint's parallelism: TP=2 x EP=2 x expert-TP=2 on 4 gloo ranks (measured 2026-12-05: weightsync's merge vs
+# Megatron's TP=1 forward 8e-7; Bridge 0.6.2's live export at this mesh off by 0.20-0.24 on every expert's gate/up
+# and on EP rank 1's down_proj, its forward 0.65 from Megatron's)
+MESH = {"tp": 2, "ep": 2, "etp": 2, "pp": 1, "world": 4}
 FORWARD_BOUND = 1e-5  # fp32 logits, two implementations of the same function (measured 7e-7)
 
 
