@@ -65,7 +65,7 @@ def test_two_ep_trainers_to_one_vllm_engine_two_versions(tmp_path: Path) -> None
             assert [g[0] for g in gens] == expected[str(v)], f"version {v}: tokens differ from a fresh vLLM on PEFT's"
             _check_read_back(engine, fresh.served, v, tmp_path / "digests.json", write_digests)
             floor, (kl,) = policy_check(base, tmp_path / "work" / f"v{v}" / "adapter", [engine], timeout_s=120)
-            assert floor == 0.0 and 0.0 <= kl < 1e-3, (floor, kl)  # an fp32 trainer, fp32 engine: only rounding
+            assert floor == 0.0 and -1e-6 < kl < 1e-3, (floor, kl)  # fp32 trainer and engine: rounding only (a float32 KL may dip below 0)
         sync.close()
         _check_enforce_refuses_nan(base, engine, tmp_path, expected[str(VERSIONS - 1)], VERSIONS - 1)
 
