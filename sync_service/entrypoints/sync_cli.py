@@ -327,8 +327,6 @@ def _run_checked(args: argparse.Namespace, ep: int, tp: int, given: dict) -> int
     """``run`` once the inputs are HF directories: the preflight checks, then the engine kind's runner
     (``given``: the ``--base`` / ``--adapter`` paths as given, for the report)."""
     check_run_arguments(args)
-    if args.digests is not None and args.engine != "hf":
-        fail(args, f"--digests: engine {args.engine!r} cannot read back its served weights; use --engine hf")
     if args.vllm_urls:
         from sync_service.entrypoints.preflight_vllm_server import check_servers
 
