@@ -140,7 +140,8 @@ class RolloutEngineCore:
         factors = None if updater is self.engine else updater
         from sync_service.engines.served_check import install  # in front of the engine; its gate runs it
 
-        served = install(self.engine, getattr(request, "check_served", "off") if factors is None else "off", self.name)
+        served = install(self.engine, getattr(request, "check_served", "off") if factors is None else "off", self.name,
+                         request.owner)
         updater = served if factors is None else updater  # factor plans: not yet checked (docs/reliability.md)
         receiver = BucketReceiver(updater, plan, receiver=request.index, secret=request.secret)
         self._channels[request.owner] = (transport, receiver, factors)
@@ -191,6 +192,9 @@ class RolloutEngineCore:
             entry = self._channels.pop(key, None)
             if entry is not None:
                 entry[0].close()
+                from sync_service.engines.served_check import install
+
+                install(self.engine, "off", self.name, key)  # that owner's served check goes with its channel
 
     def receive(self, owner: str, timeout_s: float, reset_versions: bool = False) -> ReceiveReport:
         """Receive one whole sync over ``owner``'s channel: staged, verified, acked, not committed. The report

@@ -134,6 +134,11 @@ class CommitGate:
             else:
                 self._checks[name] = check
 
+    def check(self, name: str) -> PreCommitCheck | None:
+        """The check installed under ``name`` (``None``: none)."""
+        with self._lock:
+            return self._checks.get(name)
+
     def check_names(self) -> list[str]:
         with self._lock:
             return list(self._checks)

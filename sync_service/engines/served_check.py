@@ -13,6 +13,10 @@ what it is about to serve:
    the transport's checksum (in the engine's copy, a conversion, a reload).
 3. **Finite.** Every staged floating tensor is free of NaN / Inf (FP8: the NaN bytes).
 
+One check per channel owner (``ServedChecks``): each WeightSync's channel installs its own, which judges only the
+updates its own ``AppliedDigests`` began (matched by update token), so a second sync on the engine neither judges
+the first's updates with digests it never saw nor removes the first's check.
+
 Modes: ``"off"`` (not installed), ``"log"`` (a warning per refused version, counted in ``ServedCheck.refusals``;
 the version commits), ``"enforce"`` (``CommitRefused``: the engine aborts its update, keeps serving the
 previous version, and the push aborts the version on every engine).
@@ -38,7 +42,7 @@ from protocols.params import Box, box_numel
 from sync_service.engines.commit_gate import CommitRefused, StagedUpdate
 from sync_service.engines.readback import tensor_bytes
 
-__all__ = ["CHECK_NAME", "MODES", "AppliedDigests", "ServedCheck", "finite", "install"]
+__all__ = ["CHECK_NAME", "MODES", "AppliedDigests", "ServedCheck", "ServedChecks", "finite", "install"]
 
 MODES = ("off", "log", "enforce")
 CHECK_NAME = "served"
@@ -61,6 +65,8 @@ class AppliedDigests:
         self.engine = engine
         self._lock = threading.Lock()
         self.boxes: dict[str, dict[Box, str]] = {}
+        self.update_id: object = None
+        """The token of the update this wrapper began last (the ``ServedChecks`` dispatch key)."""
         self.repeated: list[tuple[str, Box]] = []
         self.announced: tuple[str, ...] = ()
         self.numel = {m.name: math.prod(m.shape) for m in engine.param_metas()}
@@ -74,7 +80,9 @@ class AppliedDigests:
     def begin_update(self, version: int, names: Sequence[str], **kwargs: object) -> object:
         with self._lock:
             self.boxes, self.repeated, self.announced = {}, [], tuple(dict.fromkeys(names))
-        return self.engine.begin_update(version, names, **kwargs)
+            self.update_id = None
+        self.update_id = self.engine.begin_update(version, names, **kwargs)
+        return self.update_id
 
     def apply(self, name: str, box: Box, data: torch.Tensor) -> None:
         box = tuple(tuple(d) for d in box)
@@ -150,6 +158,21 @@ class ServedCheck:
         return out
 
 
+class ServedChecks:
+    """The gate's one ``"served"`` check: per channel owner its ``ServedCheck``; an update is judged by the check
+    whose ``AppliedDigests`` began it (same update token), and by no other. An update no channel's wrapper began
+    (a peer copy, a factor channel) is not checked here."""
+
+    def __init__(self) -> None:
+        self.by_owner: dict[str, ServedCheck] = {}
+
+    def __call__(self, update: StagedUpdate) -> None:
+        for check in list(self.by_owner.values()):
+            if check.digests.update_id is not None and check.digests.update_id == update.update_id:
+                check(update)
+                return
+
+
 def finite(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` holds no NaN / Inf (FP8: no NaN byte); integers always."""
     nan = _NAN_BYTES.get(tensor.dtype)
@@ -163,10 +186,10 @@ def finite(tensor: torch.Tensor) -> bool:
     return bool(torch.isfinite(tensor).all())  # a non-finite sum may be an overflow: look element by element
 
 
-def install(engine: object, mode: str, name: str) -> object:
-    """Install the served check on ``engine``'s ``CommitGate`` (``mode`` ``"log"`` / ``"enforce"``; ``"off"``
-    removes it) and return the updater the receiver should apply to (``AppliedDigests`` over ``engine``, or
-    ``engine`` itself when off or when the engine has no gate).
+def install(engine: object, mode: str, name: str, owner: str = "") -> object:
+    """Install ``owner``'s served check on ``engine``'s ``CommitGate`` (``mode`` ``"log"`` / ``"enforce"``; ``"off"``
+    removes that owner's) and return the updater ``owner``'s receiver should apply to (``AppliedDigests`` over
+    ``engine``, or ``engine`` itself when off or when the engine has no gate). Other owners' checks stay as they are.
 
     Raises:
         ValueError: ``mode`` is not one of ``MODES``.
@@ -176,15 +199,19 @@ def install(engine: object, mode: str, name: str) -> object:
     gate = getattr(engine, "commit_gate", None)
     if gate is None:
         return engine
+    checks = gate.check(CHECK_NAME)
+    checks = checks if isinstance(checks, ServedChecks) else ServedChecks()
+    digests = None
+    if mode == "off":
+        checks.by_owner.pop(owner, None)
+    else:
+        digests = AppliedDigests(engine)
+        checks.by_owner[owner] = ServedCheck(digests, mode, name)
+    gate.set_check(CHECK_NAME, checks if checks.by_owner else None)
     record = getattr(engine, "record_applied", None)  # an engine that stages elsewhere records there (vLLM)
     if record is not None:
-        record(mode != "off")
-    if mode == "off":
-        gate.set_check(CHECK_NAME, None)
-        return engine
-    digests = AppliedDigests(engine)
-    gate.set_check(CHECK_NAME, ServedCheck(digests, mode, name))
-    return digests
+        record(bool(checks.by_owner))
+    return engine if digests is None else digests
 
 
 def validate_mode(mode: object) -> str:

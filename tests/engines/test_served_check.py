@@ -101,7 +101,7 @@ def test_log_commits_with_a_warning_and_off_installs_nothing(caplog):
     with caplog.at_level(logging.WARNING, logger="weightsync.served_check"):
         _push(updater, 2, _state(engine, 2))
     assert engine.weight_version() == 2 and f"{name}: box" in caplog.text and "committing anyway" in caplog.text
-    check = engine.commit_gate._checks["served"]
+    check = engine.commit_gate.check("served").by_owner[""]
     assert (check.checked, check.refusals) == (2, 1)
     assert install(engine, "off", "e0") is engine and engine.commit_gate.check_names() == []
     with pytest.raises(ValueError, match="check_served='strict'"):
@@ -183,3 +183,21 @@ def test_vllm_worker_store_checks_its_staging(tmp_path):
     (corrupted,) = sync(corrupt=True)
     assert corrupted.startswith("a.weight: box [[2, 4], [0, 3]] holds other bytes than the trainers sent")
     assert sync(nan=True) == ["b.weight: holds NaN/Inf (would be served)"]
+
+
+def test_each_channel_owner_has_its_own_check():
+    """Two channels (owners A and B) on one engine, both enforce: each update is judged by the check of the owner
+    whose receiver began it — A's push after B's commits (a second WeightSync's check used to judge A's bytes with
+    B's digests and refuse them as corrupted) — and B turning its check off leaves A's in force."""
+    engine = _engine("memory")
+    a, b = (install(engine, "enforce", "e0", owner) for owner in ("A", "B"))
+    _push(a, 1, _state(engine, 1))
+    _push(b, 2, _state(engine, 2))
+    _push(a, 3, _state(engine, 3))
+    assert engine.weight_version() == 3
+    assert install(engine, "off", "e0", "B") is engine and engine.commit_gate.check_names() == ["served"]
+    name = next(n for n, t in _state(engine, 4).items() if t.shape[0] > 1)
+    _corrupt_after_copy(engine, name)
+    with pytest.raises(CommitRefused, match=f"refused by the served check: .*{name}.*corrupted after the transport"):
+        _push(a, 4, _state(engine, 4))
+    assert engine.weight_version() == 3
