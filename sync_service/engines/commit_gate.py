@@ -160,6 +160,17 @@ class CommitGate:
             self._staged = _Update(secrets.token_hex(8), version, reset_versions)
             return self._staged.update_id
 
+    def begin_staged(self, version: int, stage: Callable[[], None], *, reset_versions: bool = False) -> str:
+        """``begin``, then ``stage()`` (the engine's own staging of the update); returns the token. A failing
+        ``stage`` drops the update it begun and re-raises, so nothing stays fenced. Raises ``begin``'s refusals."""
+        update_id = self.begin(version, reset_versions=reset_versions)
+        try:
+            stage()
+        except BaseException:
+            self.dropped(update_id)
+            raise
+        return update_id
+
     def staged_update(self, names, applied: Mapping[str, int] | None = None,
                       values: Callable[[], Mapping[str, object]] | None = None,
                       extra: Mapping[str, object] | None = None) -> StagedUpdate:

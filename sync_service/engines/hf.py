@@ -187,12 +187,7 @@ class HFEngine:
         unknown = sorted(set(names) - self._held.keys())
         if unknown:
             raise KeyError(f"names not in the engine parameter table: {unknown[:5]} ({len(unknown)} in all)")
-        update_id = self.commit_gate.begin(version, reset_versions=reset_versions)
-        try:
-            self._staging.begin(version, names)
-        except BaseException:
-            self.commit_gate.dropped(update_id)
-            raise
+        update_id = self.commit_gate.begin_staged(version, lambda: self._staging.begin(version, names), reset_versions=reset_versions)
         self._finished = False
         return update_id
 

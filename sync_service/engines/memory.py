@@ -65,12 +65,7 @@ class MemoryEngine:
         unknown = set(names) - set(self._served)
         if unknown:
             raise KeyError(f"begin_update: unknown parameters {sorted(unknown)[:5]}; the engine has {len(self._served)}")
-        update_id = self.commit_gate.begin(version, reset_versions=reset_versions)
-        try:
-            self._staging.begin(version, names)
-        except BaseException:
-            self.commit_gate.dropped(update_id)
-            raise
+        update_id = self.commit_gate.begin_staged(version, lambda: self._staging.begin(version, names), reset_versions=reset_versions)
         self._finished = False
         return update_id
 

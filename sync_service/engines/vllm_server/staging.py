@@ -64,12 +64,7 @@ class WorkerEngine:
 
     def begin_update(self, version: int, names: Sequence[str], *, reset_versions: bool = False) -> str:
         """Returns the update token (``CommitGate.begin``; raises its refusals, nothing staged)."""
-        update_id = self.commit_gate.begin(version, reset_versions=reset_versions)
-        try:
-            self._sync.begin(version, names)
-        except BaseException:
-            self.commit_gate.dropped(update_id)
-            raise
+        update_id = self.commit_gate.begin_staged(version, lambda: self._sync.begin(version, names), reset_versions=reset_versions)
         self._finished, self._applied = False, dict.fromkeys(names, 0)
         return update_id
 
