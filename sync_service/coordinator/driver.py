@@ -210,8 +210,6 @@ class Coordinator:
             SyncError: a trainer or a live engine failed; no engine committed ``version``.
         """
         t0, lost = time.perf_counter(), []
-        if changed is not None and not self.members.needs_full():
-            self._fence_deltas()
         while True:
             if not self.members.handles:
                 self.drop_snapshot(version)
@@ -242,17 +240,6 @@ class Coordinator:
             self._fail(run, prepared, version, names is None, lost, t0)
 
     # -- internals -------------------------------------------------------------------------
-    def _fence_deltas(self) -> None:
-        """A delta builds on what this coordinator committed. An engine that serves another version now (another
-        WeightSync committed to it since, or it was reset) takes a full sync in this push instead: its
-        ``full_done`` mark is dropped. One ``weight_version`` call per engine; an engine that does not answer is
-        left to the push (which drops it if its actor died). A commit by another sync between this call and this
-        push's ``begin_update`` is not seen here (docs/reliability.md, "Versions")."""
-        board, served = self.versions.snapshot(), self.engine_versions()
-        for name in list(self.members.full_done):
-            if name in served and served[name] != board.get(name):
-                self.members.full_done.discard(name)
-
     def _transfer_for(self) -> Transfer:
         return Transfer(channel=self._channel, trainers=self.trainers, trainer_names=self.trainer_names,
                         engines=self.members.handles, engine_names=self.members.names, timeout_s=self.config.timeout_s)
