@@ -27,9 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
+from protocols.params import Box
+
 __all__ = ["Box", "Placement", "PlacementError", "local_placements"]
 
-Box = tuple[tuple[int, int], ...]
 
 
 class PlacementError(ValueError):
