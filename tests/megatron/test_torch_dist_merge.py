@@ -100,24 +100,41 @@ def _group(name: str) -> str:
     return parts[-2] if len(parts) > 1 else name
 
 
+# Megatron-Bridge 0.6.2 at MESH (2026-12-05): the groups its live merged export gets wrong, each expert's gate/up (the
+# expert-TP shards' [gate_r; up_r] deltas split as a plain chunk(2)) and EP rank 1's experts' down_proj
+BRIDGE_WRONG = {"0.6.2": {*(f"experts.{e}.{p}" for e in range(4) for p in ("gate_proj", "up_proj")),
+                          "experts.2.down_proj", "experts.3.down_proj"}}
+
+
 def test_bridges_own_merged_export_at_the_saving_mesh_against_the_forward_oracle(saved, hf_model, tmp_path, capsys):
-    """Megatron-Bridge 0.6.2's ``export_hf_weights(merge_adapter_weights=True)`` run live at ``MESH`` (the ranks
-    that saved the checkpoint) against weightsync's merge of it: where they differ, Megatron's forward
-    (TP=1) decides — weightsync's merge equals it (test above), Bridge's export does not."""
+    """Megatron-Bridge's ``export_hf_weights(merge_adapter_weights=True)`` run live at ``MESH`` (EP=2, expert-TP=2:
+    the ranks that saved the checkpoint) against weightsync's merge of it, both held against Megatron's own forward
+    of the checkpoint (TP=1): where they differ, weightsync's merge gives Megatron's logits and Bridge's does not;
+    where Bridge is right, both are equal. For the Bridge version measured, the wrong groups are pinned."""
+    from importlib.metadata import version
+
     from safetensors.torch import save_file
 
     merge(capsys, "--base", str(saved["ckpt"]), "--hf-config", str(hf_model), "--out", str(tmp_path / "m"))
     ours, bridge = load_file(str(tmp_path / "m" / "model.safetensors")), saved["bridge_live"]
     assert set(ours) == set(bridge)
     off = {k: (bridge[k] - ours[k]).abs().max().item() for k in ours}
-    wrong = sorted({_group(k) for k, d in off.items() if d > BOUND})
-    print("bridge live export off:", {g: max(d for k, d in off.items() if _group(k) == g) for g in wrong})
+    wrong = {_group(k) for k, d in off.items() if d > BOUND}
+    print("bridge live export off:", {g: max(d for k, d in off.items() if _group(k) == g) for g in sorted(wrong)})
+    bridge_dir = tmp_path / "bridge"
+    shutil.copytree(tmp_path / "m", bridge_dir)
+    save_file(bridge, str(bridge_dir / "model.safetensors"), metadata={"format": "pt"})
+    ours_off = (hf_logits(tmp_path / "m") - saved["tp1_logits"]).abs().max().item()
+    bridge_off = (hf_logits(bridge_dir) - saved["tp1_logits"]).abs().max().item()
+    assert ours_off <= FORWARD_BOUND, ours_off
     if wrong:  # Bridge's export is not the function Megatron computes on this checkpoint
-        bridge_dir = tmp_path / "bridge"
-        shutil.copytree(tmp_path / "m", bridge_dir)
-        save_file(bridge, str(bridge_dir / "model.safetensors"), metadata={"format": "pt"})
-        assert (hf_logits(bridge_dir) - saved["tp1_logits"]).abs().max() > 1e-3
-        assert (hf_logits(tmp_path / "m") - saved["tp1_logits"]).abs().max() <= FORWARD_BOUND
+        assert bridge_off > 1e-3, (wrong, bridge_off)
+        assert min(max(d for k, d in off.items() if _group(k) == g) for g in wrong) > 1e-2  # not rounding
+    else:  # Bridge right: both serve Megatron's function
+        assert bridge_off <= FORWARD_BOUND, bridge_off
+    expected = BRIDGE_WRONG.get(version("megatron-bridge"))
+    if expected is not None:
+        assert wrong == expected, sorted(wrong ^ expected)
 
 
 _ALIASES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
