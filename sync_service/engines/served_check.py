@@ -151,7 +151,7 @@ class ServedCheck:
                 view = tensor[tuple(slice(a, b) for a, b in box)]
                 if xxhash.xxh3_64_hexdigest(tensor_bytes(view)) != digest:
                     out.append(f"{name}: box {list(map(list, box))} holds other bytes than the trainers sent "
-                               f"(corrupted after the transport's checksum)")
+                               f"(not applied, or corrupted after the transport's checksum)")
                     break
             if not finite(tensor):
                 out.append(f"{name}: holds NaN/Inf (would be served)")

@@ -14,11 +14,13 @@ quiet). Boxes of one sync are disjoint (the plan guarantees it;
 from __future__ import annotations
 
 import bisect
+import os
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
 from protocols.params import Box, box_numel, box_shape
+from sync_service.engines import faults
 
 __all__ = ["APPLY_CHUNK_BYTES", "Staging", "check_box", "privatize_mapped", "refusal"]
 
@@ -87,6 +89,7 @@ class Staging:
         self._buffers: dict[str, torch.Tensor] = {}
         self._applied: dict[str, int] = {}
         self._spare: dict[str, torch.Tensor] = {}
+        self._faults: dict[str, str] = {}
         self.version: int | None = None
         """The version being staged; ``None`` between syncs."""
 
@@ -101,6 +104,7 @@ class Staging:
                                f"commit or abort it first")
         self._buffers = {n: self._buffer(n) for n in dict.fromkeys(names)}
         self._applied = dict.fromkeys(self._buffers, 0)
+        self._faults = faults.armed() if os.environ.get(faults.ENV) else {}  # test-only (engines.faults)
         self.version = version
 
     def apply(self, name: str, box: Box, data: torch.Tensor) -> None:
@@ -120,7 +124,11 @@ class Staging:
         if data.dtype != buf.dtype:
             raise ValueError(f"{self._owner}: data for {name!r} is {data.dtype}, the engine holds {buf.dtype}; "
                              f"cast on the trainer side")
-        buf[tuple(slice(a, b) for a, b in box)].copy_(data)
+        fault = self._faults.get(name) if self._faults else None
+        if fault is None:
+            buf[tuple(slice(a, b) for a, b in box)].copy_(data)
+        else:
+            faults.inject(fault, buf, box, data)
         self._applied[name] += box_numel(box)
 
     def check_complete(self) -> None:

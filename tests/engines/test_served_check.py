@@ -11,6 +11,7 @@ import logging
 import pytest
 import torch
 
+from sync_service.engines import faults
 from sync_service.engines.commit_gate import CommitRefused
 from sync_service.engines.hf import HFEngine
 from sync_service.engines.memory import MemoryEngine
@@ -45,20 +46,20 @@ def _served(engine) -> dict[str, torch.Tensor]:
     return engine.served()[1]
 
 
-def _corrupt_after_copy(engine, name: str) -> None:
-    """The fault: the engine's own ``apply`` flips one byte of ``name``'s staging after its copy."""
-    original = engine.apply
-
-    def apply(n, box, data):
-        original(n, box, data)
-        if n == name and box[0][0] == 0:  # once per sync: the first box's first byte
-            engine._staging.buffer(n).view(-1).view(torch.uint8)[0] ^= 0x40
-
-    engine.apply = apply
+@pytest.fixture
+def fault(tmp_path, monkeypatch):
+    """Arms the engines' test-only fault hook (``engines.faults``, in ``Staging.apply``) in this process:
+    ``fault({"corrupt": [name]})``; ``fault(None)`` disarms."""
+    path = tmp_path / "faults.json"
+    monkeypatch.setenv(faults.ENV, str(path))
+    return lambda spec: faults.arm(path, spec)
 
 
 @pytest.mark.parametrize("kind", ["memory", "hf"])
-def test_enforce_refuses_corrupt_missing_and_nonfinite_versions(kind):
+def test_enforce_refuses_corrupt_missing_and_nonfinite_versions(kind, fault):
+    """Faults armed in the engine's own apply (``engines.faults``): a byte flipped after the copy, a box counted
+    as applied but never copied (a lost tensor), and a NaN the trainers sent. Each is refused naming the tensor;
+    the previous version stays served bit for bit; the next clean version commits."""
     engine = _engine(kind)
     updater = install(engine, "enforce", "e0")
     assert isinstance(updater, AppliedDigests) and engine.commit_gate.check_names() == ["served"]
@@ -68,17 +69,15 @@ def test_enforce_refuses_corrupt_missing_and_nonfinite_versions(kind):
     served = _served(engine)
     name = next(n for n, t in v1.items() if t.shape[0] > 1)
 
-    _corrupt_after_copy(engine, name)
+    fault({"corrupt": [name]})
     with pytest.raises(CommitRefused, match=f"refused by the served check: .*{name}.*corrupted after the transport"):
         _push(updater, 2, _state(engine, 2))
-    del engine.apply
     assert engine.weight_version() == 1 and all(torch.equal(served[n], t) for n, t in _served(engine).items())
 
-    engine.apply = lambda n, box, data: None if n == name else type(engine).apply(engine, n, box, data)  # drops one
-    with pytest.raises((CommitRefused, ValueError), match=name):
+    fault({"drop": [name]})
+    with pytest.raises(CommitRefused, match=f"refused by the served check: .*{name}: box .*not applied"):
         _push(updater, 2, _state(engine, 2))
-    del engine.apply
-    engine.abort()
+    fault(None)
     assert engine.weight_version() == 1 and all(torch.equal(served[n], t) for n, t in _served(engine).items())
 
     bad = _state(engine, 3)
@@ -92,12 +91,12 @@ def test_enforce_refuses_corrupt_missing_and_nonfinite_versions(kind):
     assert engine.weight_version() == 2 and all(torch.equal(v2[n], t) for n, t in _served(engine).items())
 
 
-def test_log_commits_with_a_warning_and_off_installs_nothing(caplog):
+def test_log_commits_with_a_warning_and_off_installs_nothing(caplog, fault):
     engine = _engine("memory")
     updater = install(engine, "log", "e0")
     _push(updater, 1, _state(engine, 1))
     name = next(iter(_state(engine, 1)))
-    _corrupt_after_copy(engine, name)
+    fault({"corrupt": [name]})
     with caplog.at_level(logging.WARNING, logger="weightsync.served_check"):
         _push(updater, 2, _state(engine, 2))
     assert engine.weight_version() == 2 and f"{name}: box" in caplog.text and "committing anyway" in caplog.text
@@ -185,7 +184,7 @@ def test_vllm_worker_store_checks_its_staging(tmp_path):
     assert sync(nan=True) == ["b.weight: holds NaN/Inf (would be served)"]
 
 
-def test_each_channel_owner_has_its_own_check():
+def test_each_channel_owner_has_its_own_check(fault):
     """Two channels (owners A and B) on one engine, both enforce: each update is judged by the check of the owner
     whose receiver began it — A's push after B's commits (a second WeightSync's check used to judge A's bytes with
     B's digests and refuse them as corrupted) — and B turning its check off leaves A's in force."""
@@ -197,7 +196,7 @@ def test_each_channel_owner_has_its_own_check():
     assert engine.weight_version() == 3
     assert install(engine, "off", "e0", "B") is engine and engine.commit_gate.check_names() == ["served"]
     name = next(n for n, t in _state(engine, 4).items() if t.shape[0] > 1)
-    _corrupt_after_copy(engine, name)
+    fault({"corrupt": [name]})
     with pytest.raises(CommitRefused, match=f"refused by the served check: .*{name}.*corrupted after the transport"):
         _push(a, 4, _state(engine, 4))
     assert engine.weight_version() == 3

@@ -126,7 +126,7 @@ class CheckpointStore:
             view = self._staging.buffer(name)[tuple(slice(a, b) for a, b in box)]
             if tensor_digest(view) != digest:
                 out.append(f"{name}: box {[list(d) for d in box]} holds other bytes than the trainers sent "
-                           f"(corrupted after the transport's checksum, in the vLLM worker)")
+                           f"(not applied, or corrupted after the transport's checksum, in the vLLM worker)")
         if self._record:
             out += [f"{n}: holds NaN/Inf (would be served)" for n in self._staging.names()
                     if not finite(self._staging.buffer(n))]

@@ -1,0 +1,80 @@
+"""Test-only faults in an engine's apply path: the bytes an engine stages differ from the bytes it was handed.
+
+Off unless the process's environment names a fault file (``WEIGHTSYNC_TEST_FAULTS=/path/faults.json``); nothing
+here runs otherwise (``Staging.begin`` reads one environment variable). The served check's fault tests
+(``tests/engines/test_served_check.py``, ``tests/vllm/``) arm it to show that ``SyncConfig.check_served="enforce"``
+refuses such a version on every engine kind; a process started without the variable (every production engine)
+never reads a fault file.
+
+Where: ``engines.staging.Staging.apply``, the copy every engine's ``apply`` ends in — the transformers and memory
+engines' staging, and the vLLM worker's checkpoint store (``engines.vllm.store``: a vLLM engine in process and a
+vLLM server's worker, which inherits the server's environment). So a fault lands after the bucket's xxh3_64 / HMAC
+were verified and after the served check recorded what the engine was handed, as a bug in an engine's copy or
+conversion would.
+
+The file (read once per sync, at ``Staging.begin``, so a test arms and disarms it between pushes; absent: no
+fault): ``{"corrupt": [name, ...], "drop": [name, ...]}``, names in the staging's naming (the engine table's:
+hf-fused for transformers / memory, the checkpoint's ``hf`` naming in a vLLM worker).
+
+- ``corrupt``: after the copy of each box of the name, the lowest bit of the box's first byte is flipped.
+- ``drop``: the box is not copied but counted as applied (an engine that lost a tensor while believing it
+  applied it, as a dropped routed expert): the staging keeps whatever it held.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+
+from protocols.params import Box
+
+__all__ = ["ENV", "KINDS", "arm", "armed", "inject"]
+
+ENV = "WEIGHTSYNC_TEST_FAULTS"
+"""The environment variable naming the fault file (unset: no fault can be armed in this process)."""
+KINDS = ("corrupt", "drop")
+
+
+def armed() -> dict[str, str]:
+    """Name → fault kind, from the file ``$WEIGHTSYNC_TEST_FAULTS`` names (``{}``: unset, or no file).
+
+    Raises:
+        ValueError: the file is not ``{kind: [names]}`` with kinds of ``KINDS``.
+    """
+    path = os.environ.get(ENV)
+    if not path:
+        return {}
+    try:
+        spec = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return {}
+    if not isinstance(spec, dict) or set(spec) - set(KINDS) or not all(isinstance(v, list) for v in spec.values()):
+        raise ValueError(f"{ENV}={path}: expected {{kind: [tensor names]}} with kinds {KINDS}, got {spec!r}")
+    return {str(name): kind for kind, names in spec.items() for name in names}
+
+
+def arm(path: str | Path, faults: Mapping[str, Iterable[str]] | None) -> None:
+    """Write the fault file at ``path`` (``faults``: kind → names); ``None`` or empty removes it (disarmed)."""
+    path = Path(path)
+    if not faults:
+        path.unlink(missing_ok=True)
+        return
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({kind: list(names) for kind, names in faults.items()}))
+    tmp.replace(path)  # a reader sees the old file or the new one, never half of one
+
+
+def inject(kind: str, buffer: torch.Tensor, box: Box, data: torch.Tensor) -> None:
+    """Apply ``data`` to ``box`` of ``buffer`` as fault ``kind`` would (``Staging.apply`` calls it for an armed name)."""
+    region = buffer[tuple(slice(a, b) for a, b in box)]
+    if kind == "drop" or region.numel() == 0:
+        return
+    region.copy_(data)
+    first = buffer[tuple(slice(a, a + 1) for a, _ in box)]
+    flipped = first.clone()
+    flipped.view(torch.uint8).view(-1)[0] ^= 0x01
+    first.copy_(flipped)
