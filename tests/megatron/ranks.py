@@ -13,8 +13,9 @@ from pathlib import Path
 
 import torch
 
-TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
-LORA_DIM, LORA_ALPHA = 4, 8
+from sync_service.entrypoints.megatron_rank import (  # noqa: F401  (the harness's names, used by the tests)
+    LORA_ALPHA, LORA_DIM, TARGETS, TOKENS, build_model, megatron_logits)
+
 
 
 def free_port() -> int:
@@ -49,30 +50,6 @@ def _entry(rank: int, world: int, port: int, fn, args) -> None:
         fn(rank, world, *args)
     finally:
         dist.destroy_process_group()
-
-
-def build_model(hf_dir: str, *, tp: int = 1, ep: int = 1, etp: int | None = None, pp: int = 1,
-                lora: bool = True):
-    """(model chunks, provider) of ``hf_dir`` converted by Megatron-Bridge at these sizes, with Bridge LoRA."""
-    from sync_service.entrypoints.megatron_cpu import apply, cpu_provider
-
-    apply()
-    from megatron.bridge import AutoBridge
-    from megatron.bridge.peft.lora import LoRA
-    from megatron.core import parallel_state as ps
-
-    if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                     expert_model_parallel_size=ep, expert_tensor_parallel_size=etp or tp)
-    bridge = AutoBridge.from_hf_pretrained(hf_dir)
-    provider = cpu_provider(bridge.to_megatron_provider(load_weights=True), tp=tp, ep=ep, etp=etp, pp=pp)
-    provider.finalize()
-    if lora:
-        peft = LoRA(target_modules=TARGETS, dim=LORA_DIM, alpha=LORA_ALPHA)
-        provider.register_pre_wrap_hook(lambda chunks: peft(chunks, training=True))
-    model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True,
-                                               mixed_precision_wrapper=None)
-    return model, bridge
 
 
 @torch.no_grad()
@@ -149,27 +126,6 @@ def load_into(model, ckpt: str) -> None:
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
             raise RuntimeError(f"{ckpt}: missing {missing[:3]}, unexpected {unexpected[:3]}")
-
-
-TOKENS = torch.tensor([[3, 17, 42, 5, 9, 60, 1, 33, 12, 7, 50, 21]])
-
-
-@torch.no_grad()
-def megatron_logits(model, tokens: torch.Tensor = TOKENS) -> torch.Tensor:
-    """Megatron's own forward of ``model`` (one pipeline stage, TP / EP inside) on ``tokens``: fp32 logits
-    [b, s, V], gathered over TP (the causal mask is explicit: the local spec's attention needs it on CPU)."""
-    b, s = tokens.shape
-    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).expand(b, 1, s, s)
-    positions = torch.arange(s).expand(b, s)
-    for chunk in model:
-        chunk.eval()
-    logits = model[0](input_ids=tokens, position_ids=positions, attention_mask=mask)
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
-    if ps.get_tensor_model_parallel_world_size() > 1:
-        logits = gather_from_tensor_model_parallel_region(logits)
-    return logits.float()
 
 
 def bridge_mapping(rank: int, world: int, out: str) -> None:
