@@ -1,0 +1,164 @@
+"""``attach_megatron``: a live Megatron-Core model with Megatron-Bridge LoRA on 4 Ray-actor ranks (one gloo group:
+dense layers TP=2 x DP=2, experts EP=2 x expert-TP=2) pushed by ``WeightSync`` into a transformers engine, full then
+delta. The oracle is Megatron's own forward of the unmerged LoRA model at the ranks' parallelism (none of
+weightsync's code): the engine's teacher-forced next-token log-probabilities of a fixed sequence equal Megatron's
+within ``BOUND`` (fp32) and its argmax tokens are Megatron's. Between versions the adapters change by a seeded draw
+on every rank (``randomize_adapters``: each global adapter tensor drawn from its key, replicas equal), not an
+optimizer step."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+
+BOUND = 1e-5  # fp32 log-probabilities, two implementations of one function (measured 8.5e-7, 2026-12-05)
+MESH = {"world": 4, "tp": 2, "ep": 2, "etp": 2}
+
+
+@pytest.fixture(scope="module")
+def megatron(ray_local, hf_model):
+    from sync_service.entrypoints.megatron_rank import start_megatron_ranks
+
+    ranks, mesh = start_megatron_ranks(str(hf_model), **MESH, seed=0, timeout_s=600)
+    handles = ray.get([r.attach.remote() for r in ranks], timeout=300)
+    yield {"ranks": ranks, "handles": handles, "mesh": mesh, "hf": hf_model}
+    for r in ranks:
+        ray.kill(r)
+
+
+def megatron_logprobs(ranks) -> torch.Tensor:
+    """Megatron's forward (all ranks; the last stage's answer) as float64 next-token log-probabilities [s-1, V]."""
+    logits = [x for x in ray.get([r.logits.remote() for r in ranks], timeout=300) if x is not None][0][0]
+    return torch.log_softmax(torch.from_numpy(logits).double(), -1)[:-1]
+
+
+def engine_logprobs(engine) -> tuple[torch.Tensor, int | None]:
+    from sync_service.entrypoints.megatron_rank import TOKENS
+
+    (lp,), version = ray.get(engine.token_logprobs.remote([TOKENS[0].tolist()]), timeout=120)
+    return torch.from_numpy(lp).double(), version
+
+
+def assert_serves_megatron(engine, ranks, version: int) -> float:
+    want = megatron_logprobs(ranks)
+    got, served = engine_logprobs(engine)
+    worst = (got - want).abs().max().item()
+    assert served == version and worst <= BOUND, (served, worst)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    return worst
+
+
+def reseed(ranks, seed: int) -> None:
+    ray.get([r.randomize_adapters.remote(seed) for r in ranks], timeout=120)
+
+
+def test_full_then_delta_serve_megatrons_own_forward(megatron):
+    from actors.launch import start_engines
+    from sync_service.api import SyncConfig, WeightSync
+
+    ranks = megatron["ranks"]
+    assert megatron["mesh"] == {"tp": 2, "ep": 2, "etp": 2, "pp": 1, "dp": 2}
+    (engine,) = start_engines(megatron["hf"], 1, prefix="mhf")
+    base_lp, _ = engine_logprobs(engine)
+    sync = WeightSync(trainers=megatron["handles"], engines=[engine], config=SyncConfig(transport="shm", timeout_s=120))
+    try:
+        # every engine box is sent by exactly one rank
+        owned = [m for h in megatron["handles"] for m in ray.get(h.owned_metas.remote(), timeout=60)]
+        table = ray.get(engine.param_metas.remote(), timeout=60)
+        assert sum(m.nbytes for m in owned) == sum(m.nbytes for m in table)
+        assert {m.name for m in owned} == {m.name for m in table}
+        full = sync.push(0)
+        assert full.full and full.engines[0].committed
+        print("v0 full", assert_serves_megatron(engine, ranks, 0))
+        assert (megatron_logprobs(ranks) - base_lp).abs().max() > 0.05  # the LoRA changes the function
+        for v, seed in ((1, 11), (2, 12)):
+            reseed(ranks, seed)
+            m = sync.push(v)
+            assert not m.full and m.bytes < full.bytes and m.engines[0].committed
+            print(f"v{v} delta", assert_serves_megatron(engine, ranks, v))
+    finally:
+        sync.close()
+        ray.kill(engine)
+
+
+def _set_rule(table: dict):
+    def body(_actor, table):
+        from sync_service.megatron import deviations
+
+        deviations.EXPERT_FC2_AT_ETP.clear()
+        deviations.EXPERT_FC2_AT_ETP.update(table)
+    return body, table
+
+
+def test_the_bridge_rule_is_what_megatron_computes_and_unknown_versions_are_refused(megatron):
+    """Expert-TP 2: serving W + s·B@A on the experts' linear_fc2 (not Bridge 0.6.2's block-diagonal forward) would
+    serve a policy the trainer does not run; a Bridge version the table does not know is refused at attach."""
+    from actors.launch import start_engines
+    from sync_service.api import SyncConfig, WeightSync
+    from sync_service.megatron.deviations import EXPERT_FC2_AT_ETP, bridge_version
+
+    ranks, version = megatron["ranks"], bridge_version()
+    known = dict(EXPERT_FC2_AT_ETP)
+    try:
+        ray.get([r.__ray_call__.remote(*_set_rule({})) for r in ranks], timeout=60)
+        errors = []
+        for ref in [r.attach.remote() for r in ranks]:
+            with pytest.raises(Exception) as info:
+                ray.get(ref, timeout=120)
+            errors.append(str(info.value))
+        for err in errors:  # every rank: one line naming the version and the deviation
+            assert any(f"Megatron-Bridge {version} at expert-TP 2" in x and "blockdiag" in x and "refused" in x
+                       for x in err.splitlines()), err
+        ray.get([r.__ray_call__.remote(*_set_rule({version: "dense"})) for r in ranks], timeout=60)
+        handles = ray.get([r.attach.remote() for r in ranks], timeout=120)
+        (engine,) = start_engines(megatron["hf"], 1, prefix="mdense")
+        sync = WeightSync(trainers=handles, engines=[engine], config=SyncConfig(transport="shm", timeout_s=120))
+        try:
+            sync.push(0)
+            got, _ = engine_logprobs(engine)
+            off = (got - megatron_logprobs(ranks)).abs().max().item()
+            print("dense rule at expert-TP 2 off by", off)
+            assert off > 1e-2
+        finally:
+            sync.close()
+            ray.kill(engine)
+    finally:
+        ray.get([r.__ray_call__.remote(*_set_rule(known)) for r in ranks], timeout=60)
+
+
+def _nudge(_actor, name: str):
+    import torch as t
+
+    with t.no_grad():
+        for chunk in _actor.model:
+            for n, p in chunk.named_parameters():
+                if n == name:
+                    p.add_(1e-3)
+
+
+def test_replicas_that_disagree_fail_the_push_on_every_engine(megatron):
+    """Rank 2 holds a data-parallel replica of rank 0's dense adapter shards: one drifted value fails the push
+    (named), the engine keeps serving the version before."""
+    from actors.launch import start_engines
+    from sync_service.api import SyncConfig, WeightSync
+    from sync_service.coordinator.metrics import SyncError
+
+    ranks = megatron["ranks"]
+    reseed(ranks, 21)
+    (engine,) = start_engines(megatron["hf"], 1, prefix="mrep")
+    sync = WeightSync(trainers=megatron["handles"], engines=[engine], config=SyncConfig(transport="shm", timeout_s=120))
+    name = "decoder.layers.0.self_attention.linear_qkv.adapter.linear_out.weight"
+    try:
+        sync.push(0)
+        ray.get(ranks[2].__ray_call__.remote(_nudge, name), timeout=60)
+        with pytest.raises(SyncError, match="replicas disagree") as info:
+            sync.push(1)
+        assert "linear_qkv.adapter.linear_out" in str(info.value) and "[0] vs [2]" in str(info.value)
+        assert ray.get(engine.weight_version.remote(), timeout=60) == 0
+        reseed(ranks, 21)
+        sync.push(2)
+        assert_serves_megatron(engine, ranks, 2)
+    finally:
+        sync.close()
+        ray.kill(engine)
