@@ -22,6 +22,9 @@ Each patch, by name (``PATCHES``), and why:
 - ``torch.cuda.synchronize`` → no-op: ``dist_checkpointing.save/load`` call it.
 - ``tensor_parallel.random.CudaRNGStatesTracker.fork`` → a null context: the tracker forks CUDA RNG states
   around dropout / init under TP; CPU has none (dropout is 0 in these models; init is the Bridge's load).
+- ``schedules total_num_tokens``: Megatron's pipeline schedules (``get_forward_backward_func()``) allocate their
+  token counter with ``torch.zeros([], device="cuda")``; the schedules module's ``torch`` becomes a view of
+  ``torch`` whose ``zeros`` puts a ``"cuda"`` tensor on the CPU (every other name is ``torch``'s own).
 
 ``cpu_provider(provider)`` sets what the local (non-TE) layer spec on CPU needs: no grouped GEMM (TE), the
 allgather token dispatcher (alltoall needs ``torch.cuda.Stream``), fusions off, fp32.
@@ -34,7 +37,7 @@ import sys
 import types
 
 PATCHES = ("typing.override", "transformer_engine stub", "megatron.bridge.peft HAVE_TE", "torch.cuda.current_device",
-           "torch.cuda.synchronize", "CudaRNGStatesTracker.fork")
+           "torch.cuda.synchronize", "CudaRNGStatesTracker.fork", "schedules total_num_tokens")
 
 _applied = False
 
@@ -72,6 +75,10 @@ def apply() -> None:
 
     tp.random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
 
+    import megatron.core.pipeline_parallel.schedules as schedules
+
+    schedules.torch = _CpuZeros(torch)
+
     import megatron.bridge  # noqa: F401
     import megatron.bridge.peft.module_matcher as matcher
     import megatron.bridge.peft.utils as peft_utils
@@ -79,6 +86,20 @@ def apply() -> None:
     peft_utils.HAVE_TE = False
     matcher.HAVE_TE = False
     _applied = True
+
+
+class _CpuZeros(types.ModuleType):
+    """``torch`` for Megatron's schedules module: ``zeros(..., device="cuda")`` allocates on the CPU."""
+
+    def __init__(self, torch_module) -> None:
+        super().__init__("torch")
+        self._torch = torch_module
+
+    def __getattr__(self, name: str):
+        return getattr(self._torch, name)
+
+    def zeros(self, *args, device=None, **kw):
+        return self._torch.zeros(*args, device="cpu" if str(device).startswith("cuda") else device, **kw)
 
 
 def cpu_provider(provider, *, tp: int = 1, ep: int = 1, etp: int | None = None, pp: int = 1):
