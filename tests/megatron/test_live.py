@@ -162,3 +162,31 @@ def test_replicas_that_disagree_fail_the_push_on_every_engine(megatron):
     finally:
         sync.close()
         ray.kill(engine)
+
+
+def _grouped_gemm_weight(_actor, add: bool):
+    """Give layer 0's experts a parameter named as Transformer Engine's grouped-GEMM experts hold them
+    (``mlp.experts.linear_fc1.weight0``), or take it away: that layout cannot be built on CPU (TE only), so the test
+    names one parameter as it would be named."""
+    import torch as t
+
+    experts = _actor.model[0].decoder.layers[0].mlp.experts
+    if add:
+        experts.linear_fc1 = t.nn.Module()
+        experts.linear_fc1.register_parameter("weight0", t.nn.Parameter(t.zeros(32, 32), requires_grad=False))
+    else:
+        del experts.linear_fc1
+
+
+def test_grouped_gemm_experts_are_refused_at_attach_on_every_rank(megatron):
+    ranks = megatron["ranks"]
+    ray.get(ranks[1].__ray_call__.remote(_grouped_gemm_weight, True), timeout=60)
+    try:
+        refs = [r.attach.remote() for r in ranks]
+        for ref in refs:
+            with pytest.raises(Exception) as info:
+                ray.get(ref, timeout=120)
+            assert any("rank 1 refused" in x and "decoder.layers.0.mlp.experts.linear_fc1.weight0" in x
+                       and "grouped-GEMM" in x for x in str(info.value).splitlines()), str(info.value)
+    finally:
+        ray.get(ranks[1].__ray_call__.remote(_grouped_gemm_weight, False), timeout=60)
