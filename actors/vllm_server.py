@@ -90,6 +90,23 @@ class VLLMServerActorCore:
     def generate(self, prompt_token_ids: list[int], max_new_tokens: int) -> tuple[list[int], int | None]:
         return self.engine.generate(prompt_token_ids, max_new_tokens)
 
+    def token_logprobs(self, sequences: list[list[int]]) -> tuple[list, int | None]:
+        """Per sequence a float32 ``[len - 1, vocab]`` array of the served model's teacher-forced next-token
+        log-probabilities over the full vocabulary (``VLLMServerEngine.token_logprobs``), and the version that
+        produced them (``RolloutEngine.token_logprobs``'s shape; ``verify.policy_kl``).
+
+        Raises:
+            TypeError: the server reports no full-vocabulary logprobs (started without ``--max-logprobs -1``;
+                ``policy_kl`` is then ``null``).
+        """
+        from sync_service.engines.vllm_server.engine import LogprobsUnavailable
+
+        try:
+            version, out = self.engine.token_logprobs(sequences)
+        except LogprobsUnavailable as exc:
+            raise TypeError(str(exc)) from None
+        return [t.numpy() for t in out], version
+
     def complete(self, prompts: list[list[int]], max_new_tokens: int) -> list[dict]:
         """Greedy completions: ``{"tokens", "logprobs"}`` per prompt."""
         return [{"tokens": g.tokens, "logprobs": g.logprobs} for g in self.engine.complete(prompts, max_new_tokens)]

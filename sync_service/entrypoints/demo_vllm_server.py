@@ -10,8 +10,9 @@ the vLLM engine kind's oracle, ``verify.vllm_oracle``, run before any server sta
 continue above what a running server serves (``sync_cli.first_version``). Each server's weights are read back
 in its worker (the backend's ``served`` command: ``engines.vllm.served``) and judged against the fresh engine's
 read back (``demo_vllm.read_back_verdict``); ``--digests FILE`` writes them per version. JSON: the demo's shape
-plus ``"engine": "vllm-server"``; ``policy_kl`` is ``null`` (no full-vocabulary logprobs over HTTP yet),
-``policy_kl_floor`` is measured.
+plus ``"engine": "vllm-server"``. ``policy_kl`` per server from its full-vocabulary prompt logprobs over HTTP
+(``VLLMServerEngine.token_logprobs``; the servers started here run ``--max-logprobs -1``; ``null`` for a
+``--vllm-url`` server started without it, or a vocabulary above ``MAX_LOGPROBS_VOCAB``); ``policy_kl_floor`` beside it.
 """
 
 from __future__ import annotations

@@ -200,3 +200,21 @@ def test_each_channel_owner_has_its_own_check(fault):
     with pytest.raises(CommitRefused, match=f"refused by the served check: .*{name}.*corrupted after the transport"):
         _push(a, 4, _state(engine, 4))
     assert engine.weight_version() == 3
+
+
+def test_the_fault_hook_is_off_without_its_environment(tmp_path, monkeypatch):
+    """A fault file alone arms nothing: only a process whose environment names it (``WEIGHTSYNC_TEST_FAULTS``) reads
+    it; a file that is not ``{kind: [names]}`` is refused naming the variable."""
+    engine = _engine("memory")
+    updater = install(engine, "enforce", "e0")
+    name = next(iter(_state(engine, 1)))
+    path = tmp_path / "faults.json"
+    faults.arm(path, {"corrupt": [name]})
+    monkeypatch.delenv(faults.ENV, raising=False)
+    v1 = _state(engine, 1)
+    _push(updater, 1, v1)
+    assert engine.weight_version() == 1 and torch.equal(_served(engine)[name], v1[name])
+    monkeypatch.setenv(faults.ENV, str(path))
+    path.write_text('{"flip": ["x"]}')
+    with pytest.raises(ValueError, match=f"{faults.ENV}=.*kinds"):
+        faults.armed()

@@ -21,6 +21,11 @@ test sees whatever the tests before it committed, so it pushes versions from ``n
 makes its first push a full one (a new ``WeightSync``'s first push is), and compares served outputs
 only after its own pushes (or reads ``complete`` first and compares with that). A test that kills the
 server (a fault test) calls ``restart()`` for its replacement, which the later tests then share.
+
+Faults in the server's apply path: every start runs with ``WEIGHTSYNC_TEST_FAULTS`` naming ``fault_file`` (the
+test-only hook of ``sync_service/engines/faults.py``, which the server's worker inherits); no fault is armed while
+that file is absent. A test arms one with ``arm_fault({"corrupt": [name]})`` and disarms it with
+``arm_fault(None)`` (``clean`` disarms between tests).
 """
 
 from __future__ import annotations
@@ -71,6 +76,18 @@ class SharedServer:
     def log_path(self) -> Path:
         return self.ensure().log_path
 
+    @property
+    def fault_file(self) -> Path:
+        """The fault file the server's worker reads at each sync's begin (module docstring)."""
+        return self.log_dir / "faults.json"
+
+    def arm_fault(self, faults: dict | None) -> None:
+        """Arm test-only faults in the server's apply path for the next syncs (``engines.faults.arm``: kind →
+        tensor names in the checkpoint naming); ``None`` disarms."""
+        from sync_service.engines.faults import arm
+
+        arm(self.fault_file, faults)
+
     def ensure(self):
         """The running server (``LocalServer``), started on ``base`` if there is none or it died."""
         from sync_service.engines.vllm_server.launch import LocalServer
@@ -78,8 +95,10 @@ class SharedServer:
         if self.server is not None and self.server.process.poll() is None:
             return self.server
         self.stop()
+        from sync_service.engines.faults import ENV
+
         self.server = LocalServer.start(self.base, dtype=SERVER_DTYPE, timeout_s=START_TIMEOUT_S, log_dir=self.log_dir,
-                                        extra_args=SERVER_ARGS)
+                                        env={ENV: str(self.fault_file)}, extra_args=SERVER_ARGS)
         self.starts.append(self.server.url)
         return self.server
 
@@ -113,6 +132,7 @@ class SharedServer:
         """Leave the server idle for the next test: channel closed, prefix cache reset. A server that died, is
         paused, or holds a received, uncommitted sync (only a failed test leaves that) is stopped; the next
         ``url`` starts a fresh one."""
+        self.arm_fault(None)
         if self.server is None:
             return
         if self.server.process.poll() is not None or not self._idle():

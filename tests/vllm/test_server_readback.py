@@ -4,6 +4,9 @@ One push into the shared server (``vllm_server``) with float64 accumulation: the
 merge cast once bit for bit, so every digest it reports — vLLM's own tensors as held (``served``) and the
 checkpoint-format copies behind the tensors its CPU build keeps opaque (``checkpoint-copy``) — equals the digest
 of the same-named tensor of PEFT's merged checkpoint, and the ``--digests`` writer takes the server's read back.
+Its full-vocabulary prompt logprobs (``/v1/completions``, ``prompt_logprobs=-1``) give the version's ``policy_kl``.
+Then the served check's faults under ``enforce`` (``served_faults``: a byte corrupted in the worker's apply, a
+routed expert dropped there, a NaN sent), each refused naming the tensor with the version before still served.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ import ray  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
+PROMPTS = ([1, 5, 9, 13, 17, 21], list(range(3, 40)))
+MAX_NEW_TOKENS = 8
+
 
 def test_server_reads_back_pefts_merge_bitwise(tmp_path: Path, ray_local, vllm_server) -> None:
     from safetensors.torch import load_file
@@ -31,6 +37,7 @@ def test_server_reads_back_pefts_merge_bitwise(tmp_path: Path, ray_local, vllm_s
     from sync_service.synthetic import make_adapter
     from sync_service.verify.peft_oracle import save_peft_merged
     from sync_service.verify.policy_kl import policy_check
+    from tests.vllm.served_faults import refuses_faults
 
     adapter = make_adapter("qwen3_moe", vllm_server.base, tmp_path / "lora", kind="target_parameters", r=4,
                            lora_alpha=16, init_scale=0.3, seed=3)
@@ -46,7 +53,6 @@ def test_server_reads_back_pefts_merge_bitwise(tmp_path: Path, ray_local, vllm_s
                           config=SyncConfig(transport="shm", timeout_s=120, accumulate_dtype="float64",
                                             check_served="enforce"))  # the worker's served check passes a clean push
         assert sync.push(v).engines[0].committed
-        sync.close()
         served = ray.get(engine.served_weights.remote(None, True), timeout=120)
         assert served.version == v and served.engine == "server0"
         assert {t.source for t in served.tensors} == {"served", "checkpoint-copy"}
@@ -67,8 +73,12 @@ def test_server_reads_back_pefts_merge_bitwise(tmp_path: Path, ray_local, vllm_s
         write_digests(tmp_path / "d.json", 0, [engine], timeout_s=60)
         doc = json.loads((tmp_path / "d.json").read_text())
         assert doc["versions"][0]["engines"]["server0"] == {"version": v, "tensors": served.digests()}
-        floor, kls = policy_check(vllm_server.base, adapter, [engine], timeout_s=60)
-        assert floor == 0.0 and kls == [None]  # an fp32 trainer; no full-vocabulary logprobs over HTTP
+        floor, (kl,) = policy_check(vllm_server.base, adapter, [engine], timeout_s=60)
+        _, (kl_base,) = policy_check(vllm_server.base, None, [engine], timeout_s=60)  # the un-adapted policy: far
+        assert floor == 0.0 and -1e-6 < kl < 1e-4 < kl_base, (floor, kl, kl_base)  # fp32: rounding only
+        refuses_faults(sync, engine, trainers, vllm_server.arm_fault, version=v + 1, prompts=PROMPTS,
+                       max_new_tokens=MAX_NEW_TOKENS, step=1)
+        sync.close()
     finally:
         for a in (*trainers, engine):
             ray.kill(a)

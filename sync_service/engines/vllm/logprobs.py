@@ -8,11 +8,11 @@ float32 matrix whose row ``t`` is log π(· | sequence[:t + 1]). The rows are re
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
-__all__ = ["prompt_logprobs"]
+__all__ = ["logprob_matrix", "prompt_logprobs"]
 
 
 def prompt_logprobs(llm: object, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
@@ -29,15 +29,25 @@ def prompt_logprobs(llm: object, sequences: Sequence[Sequence[int]]) -> list[tor
     vocab = llm.llm_engine.model_config.get_vocab_size()
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=-1)
     outs = llm.generate([{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False)
-    result = []
-    for seq, out in zip(sequences, outs):
-        rows = out.prompt_logprobs[1:]  # position 0 has no context
-        mat = torch.full((len(seq) - 1, vocab), float("-inf"), dtype=torch.float32)
-        for t, step in enumerate(rows):
-            if step is None or len(step) < vocab:
-                raise ValueError(f"prompt_logprobs: vLLM returned {0 if step is None else len(step)} of {vocab} token "
-                                 f"logprobs at position {t + 1}; start the engine with max_logprobs=-1")
-            ids = torch.tensor(list(step.keys()), dtype=torch.long)
-            mat[t, ids] = torch.tensor([lp.logprob for lp in step.values()], dtype=torch.float32)
-        result.append(torch.log_softmax(mat, dim=-1))
-    return result
+    return [logprob_matrix(len(seq), vocab, [None if step is None else {i: lp.logprob for i, lp in step.items()}
+                                             for step in out.prompt_logprobs])
+            for seq, out in zip(sequences, outs)]
+
+
+def logprob_matrix(length: int, vocab: int, rows: Sequence[Mapping[int, float] | None]) -> torch.Tensor:
+    """The float32 ``[length - 1, vocab]`` log-softmax matrix of one sequence from vLLM's prompt logprobs ``rows``
+    (per prompt position, token id → logprob; row 0, which has no context, is skipped). Shared by the engine in
+    process and the server's ``/v1/completions`` answer (``vllm_server.engine.VLLMServerEngine.token_logprobs``).
+
+    Raises:
+        ValueError: a row holds fewer entries than the vocabulary (a server or engine not started with
+            ``max_logprobs=-1`` / ``--max-logprobs -1``).
+    """
+    mat = torch.full((length - 1, vocab), float("-inf"), dtype=torch.float32)
+    for t, step in enumerate(rows[1:length]):
+        if step is None or len(step) < vocab:
+            raise ValueError(f"prompt_logprobs: vLLM returned {0 if step is None else len(step)} of {vocab} token "
+                             f"logprobs at position {t + 1}; start the engine with max_logprobs=-1")
+        ids = torch.tensor([int(i) for i in step], dtype=torch.long)
+        mat[t, ids] = torch.tensor([float(v) for v in step.values()], dtype=torch.float32)
+    return torch.log_softmax(mat, dim=-1)

@@ -34,8 +34,11 @@ from sync_service.engines.vllm_server.client import ServerClient, ServerRequestE
 from sync_service.engines.vllm_server.wire import BACKEND, COMMAND_METHOD, InitInfo, command_body, command_op, served_body, unb64
 from sync_service.transports import TransportSpec
 
-__all__ = ["ServerGeneration", "VLLMServerConfig", "VLLMServerEngine"]
+__all__ = ["LogprobsUnavailable", "ServerGeneration", "VLLMServerConfig", "VLLMServerEngine"]
 
+MAX_LOGPROBS_VOCAB = 8192
+"""The largest vocabulary ``token_logprobs`` reads over HTTP (JSON: ~60 bytes per token and position; larger
+models report no ``policy_kl`` through a server)."""
 BACKEND_FLAG = f"--weight-transfer-config '{{\"backend\": \"{BACKEND}\"}}'"
 
 
@@ -63,6 +66,10 @@ class VLLMServerConfig:
                              "versions); use WAIT or ABORT")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s={self.timeout_s} must be > 0 seconds")
+
+
+class LogprobsUnavailable(ServerSetupError):
+    """The server refuses full-vocabulary prompt logprobs (``--max-logprobs`` below the vocabulary)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,6 +240,42 @@ class VLLMServerEngine:
                                         logprobs=[float(x) for x in choice["logprobs"]["token_logprobs"]]))
         return out
 
+    def token_logprobs(self, sequences: Sequence[Sequence[int]]) -> tuple[int | None, list]:
+        """``(version, per sequence a float32 [len - 1, vocab] tensor)``: the server's teacher-forced next-token
+        log-probabilities over the full vocabulary (``/v1/completions`` with vLLM's ``prompt_logprobs=-1``, one
+        request per sequence; ``engines.vllm.logprobs.logprob_matrix``), and the version ``/weight_info``
+        reports before and after (``None`` if it changed in between). Each answer holds ``len × vocab`` logprobs
+        as JSON, so vocabularies above ``MAX_LOGPROBS_VOCAB`` are refused (``LogprobsUnavailable``).
+
+        Raises:
+            LogprobsUnavailable: the server refuses full-vocabulary prompt logprobs (started without
+                ``--max-logprobs -1``), or the vocabulary exceeds ``MAX_LOGPROBS_VOCAB``. ValueError: a sequence shorter than 2 tokens.
+        """
+        from sync_service.engines.vllm.logprobs import logprob_matrix
+
+        if any(len(s) < 2 for s in sequences):
+            raise ValueError("token_logprobs: every verification sequence needs >= 2 token ids")
+        vocab = self._vocab_size()
+        if vocab > MAX_LOGPROBS_VOCAB:
+            raise LogprobsUnavailable(self.config.url, f"{self.name}: a vocabulary of {vocab} tokens exceeds "
+                                      f"{MAX_LOGPROBS_VOCAB}, the most this reads as JSON over HTTP per position")
+        before = self.weight_version()
+        out = []
+        for seq in sequences:  # one request per sequence: one answer holds len × vocab logprobs
+            body = {"model": self._model, "prompt": list(seq), "max_tokens": 1, "temperature": 0.0,
+                    "prompt_logprobs": -1}
+            try:
+                choice = self._client.post("/v1/completions", body, timeout_s=self.config.timeout_s * 4)["choices"][0]
+            except ServerRequestError as exc:
+                if "logprobs" not in str(exc):
+                    raise
+                raise LogprobsUnavailable(self.config.url, f"{self.name}: the server refuses full-vocabulary prompt "
+                                          f"logprobs ({exc}); start it with --max-logprobs -1") from None
+            rows = [None if row is None else {int(k): float(v["logprob"]) for k, v in row.items()}
+                    for row in choice["prompt_logprobs"]]
+            out.append(logprob_matrix(len(seq), vocab, rows))
+        return (before if self.weight_version() == before else None), out
+
     def generate(self, prompt_token_ids: list[int], max_new_tokens: int) -> tuple[list[int], int | None]:
         """Greedy tokens, with the version ``/weight_info`` reports before and after (``None`` if it changed)."""
         before = self.weight_version()
@@ -240,6 +283,16 @@ class VLLMServerEngine:
         return tokens, before if self.weight_version() == before else None
 
     # -- internals -------------------------------------------------------------------------------
+    def _vocab_size(self) -> int:
+        """Rows of the output embedding in the worker's table (``lm_head.weight``, else the tied
+        ``model.embed_tokens.weight``): the logits' last dimension."""
+        shapes = {n: s for n, _, s in self._command("table")}
+        for name in ("lm_head.weight", "model.embed_tokens.weight"):
+            if name in shapes:
+                return int(shapes[name][0])
+        raise ServerSetupError(self.config.url, f"{self.name}: the server's table has neither lm_head.weight nor "
+                               f"model.embed_tokens.weight; cannot size the vocabulary of its logprobs")
+
     def _reopen(self) -> None:
         self._client.post("/reset_prefix_cache")
         self._client.post("/resume")
