@@ -22,6 +22,7 @@ import argparse
 from pathlib import Path
 
 from sync_service.entrypoints.demo_live import TRAINERS
+from sync_service.entrypoints.demo_megatron import MEGATRON_TRAINERS
 from sync_service.entrypoints.preflight import check_run_arguments, check_transport, fail, resolve_engines, resolve_parallel
 from sync_service.entrypoints.sync_cli import RunConfig, add_common_arguments, execute_engine, quiet_libraries, version_options
 from sync_service.entrypoints.sync_args import absolute_path
@@ -33,11 +34,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser, versions=3)
     parser.add_argument("--rl", action="store_true",
                         help="run the toy GRPO loop with live weight refresh (and a control run without sync)")
-    parser.add_argument("--trainer", choices=tuple(TRAINERS), default=None,
+    parser.add_argument("--trainer", choices=(*TRAINERS, *MEGATRON_TRAINERS), default=None,
                         help="sync a live training loop instead of trainer shards (fsdp2, ddp, ep: 2 ranks; "
                              "hsdp: replicate 2 x shard 2, fsdp2-tp: shard 2 x tp 2, fsdp2-ep: dp 2 x ep 2, tp-ep: ep 2 x tp 2, "
                              "4 ranks); verified against "
-                             "PEFT's float64 merge")
+                             "PEFT's float64 merge; megatron: Megatron-Core tp 2 x dp 2, experts ep 2 x etp 2, megatron-pp: "
+                             "tp 2 x pp 2, 4 ranks, verified against Megatron's own forward)")
     parser.add_argument("--png", type=absolute_path, default=Path("weightsync_rl_rewards.png"),
                         help="--rl: where the reward-curve PNG goes (default ./weightsync_rl_rewards.png)")
 
@@ -71,16 +73,17 @@ def run(args: argparse.Namespace) -> int:
 def _run_live(args: argparse.Namespace) -> int:
     from sync_service.entrypoints.demo_live import run_trainer_demo
 
+    world = (TRAINERS.get(args.trainer) or MEGATRON_TRAINERS[args.trainer]).world
     if args.engine != "hf":
         fail(args, f"--trainer {args.trainer} verifies transformers engines; drop --engine {args.engine}")
     if args.ep is not None or args.trainers is not None or args.tp != 1:
-        fail(args, f"--trainer {args.trainer} runs {TRAINERS[args.trainer].world} training ranks of its own; "
-                   "drop --ep / --tp / --trainers")
+        fail(args, f"--trainer {args.trainer} runs {world} training ranks of its own; drop --ep / --tp / --trainers")
     resolve_parallel(args)  # --engines / --versions bounds
     engines = resolve_engines(args, adapter=None)
     check_run_arguments(args)
-    check_transport(args, TRAINERS[args.trainer].world, fix=f"drop --transport {args.transport} (--trainer "
-                    f"{args.trainer} runs {TRAINERS[args.trainer].world} ranks)")
+    check_transport(args, world, fix=f"drop --transport {args.transport} (--trainer {args.trainer} runs {world} ranks)")
+    if args.trainer in MEGATRON_TRAINERS:
+        return _run_megatron(args, engines)
     quiet_libraries()
     base, _ = ensure_files(args.cache_dir)
     if TRAINERS[args.trainer].tp_base:
@@ -90,3 +93,19 @@ def _run_live(args: argparse.Namespace) -> int:
                     json_path=args.json, metrics_port=args.metrics_port, **version_options(args))
     return run_trainer_demo(cfg, {"model": DEMO_MODEL, "cache_dir": str(args.cache_dir)}, kind=args.trainer,
                             launcher=args.launcher)
+
+
+def _run_megatron(args: argparse.Namespace, engines: int) -> int:
+    from sync_service.entrypoints.demo_megatron import megatron_missing, run_megatron_demo
+
+    missing = megatron_missing()
+    if missing is not None:
+        fail(args, missing)
+    quiet_libraries()
+    base = ensure_tp_base(args.cache_dir)
+    kind = MEGATRON_TRAINERS[args.trainer]
+    cfg = RunConfig(base=base, adapter=None, ep=kind.ep, tp=kind.tp, engine="hf", engines=engines,
+                    versions=args.versions, transport=args.transport, bucket_bytes=args.bucket_bytes,
+                    timeout_s=args.timeout, json_path=args.json, metrics_port=args.metrics_port, **version_options(args))
+    return run_megatron_demo(cfg, {"model": DEMO_MODEL, "cache_dir": str(args.cache_dir)}, kind=args.trainer,
+                             launcher=args.launcher)
