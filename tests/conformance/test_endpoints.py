@@ -25,11 +25,12 @@ from protocols.readback import ServedWeights
 from protocols.recipe import Recipe
 from protocols.wire import encode
 from sync_service.live.endpoint import TrainerEndpoint as LiveTrainerEndpoint
+from sync_service.megatron.attach import MegatronEndpoint
 
 
 IMPLEMENTATIONS = [(TrainerShardCore, TrainerEndpoint), (TrainerShardCore, FactorTrainerEndpoint),
-                   (LiveTrainerEndpoint, TrainerEndpoint), (RolloutEngineCore, RolloutEndpoint),
-                   (VLLMServerActorCore, RolloutEndpoint)]
+                   (LiveTrainerEndpoint, TrainerEndpoint), (MegatronEndpoint, TrainerEndpoint),
+                   (RolloutEngineCore, RolloutEndpoint), (VLLMServerActorCore, RolloutEndpoint)]
 
 
 def _calls(protocol) -> list[str]:

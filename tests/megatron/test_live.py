@@ -190,3 +190,46 @@ def test_grouped_gemm_experts_are_refused_at_attach_on_every_rank(megatron):
                        and "grouped-GEMM" in x for x in str(info.value).splitlines()), str(info.value)
     finally:
         ray.get(ranks[1].__ray_call__.remote(_grouped_gemm_weight, False), timeout=60)
+
+
+def test_endpoint_calls_one_by_one_return_the_declared_reports(megatron):
+    """The endpoint contract (``protocols.endpoints``; ``tests/conformance/test_endpoints.py`` checks the signatures)
+    driven call by call over the 4 Megatron ranks as the coordinator drives it: one sync of version 1."""
+    import uuid
+
+    from actors.launch import start_engines
+    from protocols.endpoints import OpenChannel, SendReport, SendRequest, SnapshotReport
+    from protocols.params import ParamMeta
+    from protocols.wire import encode
+    from sync_service.coordinator import build_sync_plan
+    from sync_service.transports import TransportSpec
+
+    handles = megatron["handles"]
+    (engine,) = start_engines(megatron["hf"], 1, prefix="mconf", engine="memory")
+    owner = "megatron-conformance"
+    try:
+        owned = ray.get([h.owned_metas.remote() for h in handles], timeout=60)
+        assert all(type(m) is ParamMeta for metas in owned for m in metas)
+        plan = build_sync_plan([list(o) for o in owned], bucket_bytes=1 << 20)
+        spec = TransportSpec(kind="shm", name="mc" + uuid.uuid4().hex[:8], num_senders=len(handles), num_receivers=1,
+                             bucket_bytes=plan.bucket_bytes, connect_timeout_s=60, op_timeout_s=60)
+        snaps = ray.get([h.snapshot.remote(1) for h in handles], timeout=60)
+        assert all(type(s) is SnapshotReport and s.version == 1 for s in snaps)
+        assert all(s.changed and all(".layers." in n for n in s.changed) for s in snaps)  # pushed before: a delta's names
+        request = SendRequest(owner=owner, session="s1", version=1, names=None, timeout_s=60.0)
+        with pytest.raises(Exception, match="send before open_transport"):
+            ray.get(handles[0].send.remote(request), timeout=60)
+        ray.get([a.open_transport.remote(OpenChannel(owner=owner, spec=spec.to_bytes(), plan=encode(plan), index=k))
+                 for k, a in (*enumerate(handles), (0, engine))], timeout=120)
+        received = engine.receive.remote(owner, 60.0)
+        sent = ray.get([h.send.remote(request) for h in handles], timeout=120)
+        got = ray.get(received, timeout=60)
+        assert all(type(s) is SendReport for s in sent)
+        assert got.version == 1 and got.payload_bytes == sum(s.payload_bytes for s in sent)
+        ray.get(engine.commit.remote(owner, 1), timeout=60)
+        assert ray.get(engine.weight_version.remote(), timeout=60) == 1
+        with pytest.raises(Exception, match="factor streaming .* is not built for Megatron"):
+            ray.get(handles[0].factor_costs.remote(), timeout=60)
+        ray.get([a.close_transport.remote(owner) for a in (*handles, engine)], timeout=60)
+    finally:
+        ray.kill(engine)
