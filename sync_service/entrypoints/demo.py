@@ -14,6 +14,8 @@ reward curves as a PNG (``--png``) and, with ``--json``, ``reward_curve`` / ``co
 ``weightsync demo --trainer fsdp2|ddp|ep|hsdp|fsdp2-tp|fsdp2-ep|tp-ep`` runs a live training loop instead of trainer shards:
 2 training ranks (4 on the 2-D meshes) train the demo model with AdamW and weightsync reads their live PEFT model in place
 (``sync_service.entrypoints.demo_live``); every version is verified against PEFT's float64 merge.
+``--trainer megatron|megatron-pp``: 4 Megatron-Core ranks with Megatron-Bridge LoRA train with Megatron's own step and
+every version is verified against Megatron's own forward (``sync_service.entrypoints.demo_megatron``).
 """
 
 from __future__ import annotations
