@@ -233,3 +233,94 @@ def test_endpoint_calls_one_by_one_return_the_declared_reports(megatron):
         ray.get([a.close_transport.remote(owner) for a in (*handles, engine)], timeout=60)
     finally:
         ray.kill(engine)
+
+
+@pytest.fixture(scope="module")
+def engine_dirs(hf_model, tmp_path_factory):
+    """The HF model in bf16 and in block FP8 (8x8 blocks: they divide the TP=2 / expert-TP=2 shards; bf16 elsewhere),
+    written by ``merge_checkpoint`` with no adapter."""
+    from sync_service.merge.export import merge_checkpoint
+    from sync_service.merge.export_fp8 import Fp8Options
+
+    root = tmp_path_factory.mktemp("mdtypes")
+    merge_checkpoint(hf_model, None, root / "bf16", dtype="bfloat16", progress=False)
+    merge_checkpoint(hf_model, None, root / "fp8", quantize="fp8", fp8=Fp8Options(weight_block_size=FP8_BLOCK),
+                     progress=False)
+    return {"bfloat16": root / "bf16", "fp8": root / "fp8"}
+
+
+FP8_BLOCK = (8, 8)
+BF16_BOUND = 0.05  # bf16 engine vs Megatron's fp32 forward: the weights' one bf16 rounding and bf16 compute
+
+
+def served(engine) -> dict[str, torch.Tensor]:
+    from sync_service.dtypes import TORCH_DTYPES
+
+    sw = ray.get(engine.served_weights.remote(None, True), timeout=120)
+    return {t.name: torch.frombuffer(bytearray(t.values), dtype=TORCH_DTYPES[t.dtype]).reshape(t.shape)
+            for t in sw.tensors}
+
+
+def _quantized(name: str, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' Fp8Quantize of ``values`` (per expert for a fused [E, N, K] tensor): (FP8 values, scales)."""
+    from sync_service.verify.fp8_oracle import transformers_quantize
+
+    if values.dim() == 3:
+        parts = [_quantized(name, v) for v in values]
+        return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+    out = transformers_quantize(name, values, FP8_BLOCK)
+    scale = next(v for k, v in out.items() if k != name)
+    return out[name], scale
+
+
+def test_bf16_and_block_fp8_engines_serve_the_verified_weights_cast_once(megatron, engine_dirs):
+    """The fp32 engine's weights are Megatron's function (its forward, above); a bf16 engine serves them cast once to
+    bf16 (bitwise), a block-FP8 engine serves transformers' own Fp8Quantize of them (<= one FP8 step, >= 99.9 %
+    bitwise; scales within an fp32 ulp), bf16 elsewhere. Full, then a delta after a seeded adapter change."""
+    from actors.launch import start_engines
+    from sync_service.api import SyncConfig, WeightSync
+    from sync_service.dtypes import TORCH_DTYPES
+
+    ranks = megatron["ranks"]
+    (fp32,) = start_engines(megatron["hf"], 1, prefix="m32")
+    (bf16,) = start_engines(engine_dirs["bfloat16"], 1, prefix="m16")
+    (fp8,) = start_engines(engine_dirs["fp8"], 1, prefix="m8")
+    syncs = [WeightSync(trainers=megatron["handles"], engines=[e], config=SyncConfig(transport="shm", timeout_s=120))
+             for e in (fp32, bf16, fp8)]
+    try:
+        table = {m.name: m for m in ray.get(fp8.param_metas.remote(), timeout=60)}
+        quantized = sorted(n for n, m in table.items() if m.dtype == "float8_e4m3fn")
+        assert len(quantized) >= 4, quantized
+        for v, seed in ((0, None), (1, 31)):
+            if seed is not None:
+                reseed(ranks, seed)
+            ms = [s.push(v) for s in syncs]
+            assert all(m.full == (v == 0) and m.engines[0].committed for m in ms)
+            assert_serves_megatron(fp32, ranks, v)
+            want = served(fp32)
+            got16 = served(bf16)
+            assert got16.keys() == want.keys()
+            assert all(torch.equal(got16[k], want[k].to(torch.bfloat16)) for k in want), "bf16: not one cast"
+            lp, _ = engine_logprobs(bf16)
+            off = (lp - megatron_logprobs(ranks)).abs().max().item()
+            print(f"v{v} bf16 engine vs Megatron fp32 forward", off)
+            assert off <= BF16_BOUND
+            got8 = served(fp8)
+            equal = total = 0
+            for name in quantized:
+                values, scales = _quantized(name, want[name])
+                scale_name = next(k for k in got8 if k.startswith(name.removesuffix(".weight")) and "scale" in k)
+                code = lambda t: t.contiguous().view(torch.uint8).to(torch.int32)  # noqa: E731
+                steps = (torch.where(code(got8[name]) >= 128, 128 - code(got8[name]), code(got8[name]))
+                         - torch.where(code(values) >= 128, 128 - code(values), code(values))).abs()
+                assert int(steps.max()) <= 1, name
+                equal, total = equal + int((steps == 0).sum()), total + steps.numel()
+                torch.testing.assert_close(got8[scale_name].float(), scales.float(), rtol=1e-6, atol=0)
+            assert equal / total >= 0.999, (equal, total)
+            rest = [k for k in want if k not in quantized]
+            assert all(torch.equal(got8[k], want[k].to(TORCH_DTYPES[table[k].dtype])) for k in rest)
+    finally:
+        for s in syncs:
+            s.close()
+        for e in (fp32, bf16, fp8):
+            ray.kill(e)
