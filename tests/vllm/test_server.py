@@ -270,8 +270,9 @@ def test_bf16_server_serves_pefts_float64_merge_exactly(tmp_path: Path, ray_loca
     ``SyncConfig.accumulate_dtype="float64"`` the trainers' merge is bitwise PEFT's float64 merge of the fp32
     base cast once to bf16 (``tests/merge/test_accumulate_dtype.py``), so after a full and a delta push the
     server's greedy tokens and logprobs equal a fresh bf16 server's on that merge exactly (fp32 accumulation
-    rounds a few weights one bf16 ulp away, which moved logprobs by up to 1.4e-2 here). Then a second
-    WeightSync over the same server continues its version."""
+    rounds a few weights one bf16 ulp away, which moved logprobs by up to 1.4e-2 here); its ``policy_kl`` (prompt
+    logprobs over HTTP) is what bf16 costs the fp32 policy. Then a second WeightSync over the same server continues
+    its version."""
     from actors.launch import start_trainers
     from actors.vllm_server import VLLMServer
     from sync_service.api import SyncConfig, WeightSync
@@ -301,6 +302,8 @@ def test_bf16_server_serves_pefts_float64_merge_exactly(tmp_path: Path, ray_loca
             got = ray.get(engine.complete.remote([list(p) for p in PROMPTS], MAX_NEW_TOKENS), timeout=120)
             assert [{"tokens": g["tokens"], "logprobs": g["logprobs"]} for g in got] == [
                 {"tokens": e["tokens"], "logprobs": e["logprobs"]} for e in expected[v]], f"version {v} differs"
+            if v == 0:
+                _check_bf16_policy_kl(base, adapter, engine)
         sync.close()
         # a new WeightSync (a second `weightsync sync` run) over the same server continues its version
         again = WeightSync(trainers=trainers, engines=[engine],
@@ -312,6 +315,21 @@ def test_bf16_server_serves_pefts_float64_merge_exactly(tmp_path: Path, ray_loca
         again.close()
         for a in (*trainers, engine):
             ray.kill(a)
+
+
+def _check_bf16_policy_kl(base: Path, adapter: Path, engine) -> None:
+    """The bf16 server's ``policy_kl`` (its full-vocabulary prompt logprobs over HTTP) against the fp32 trainer's
+    unmerged policy: what serving PEFT's merge in bf16 costs, near the KL of transformers' own bf16 forward of that
+    merge from the same policy; the floor of an fp32 trainer is 0."""
+    from sync_service.verify.peft_oracle import peft_merged_model
+    from sync_service.verify.policy_kl import (mean_kl, model_logprobs, policy_check, trainer_policy,
+                                               verification_sequences)
+
+    floor, (kl,) = policy_check(base, adapter, [engine], timeout_s=120)
+    seqs = verification_sequences(128)
+    hf = mean_kl(model_logprobs(trainer_policy(base, adapter), seqs),
+                 model_logprobs(peft_merged_model(base, adapter, dtype=torch.bfloat16), seqs))
+    assert floor == 0.0 and kl is not None and hf / 2 < kl < 2 * hf, (floor, kl, hf)  # 4.40e-3 vs 4.57e-3 seen
 
 
 def test_cli_refuses_bad_server_flags_before_ray(tmp_path: Path) -> None:
