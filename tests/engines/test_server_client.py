@@ -151,3 +151,61 @@ def test_url_credentials_refused_and_never_echoed(capsys) -> None:
         check_servers(args)
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "carries credentials" in err and "hunter2" not in err, err
+
+
+LOGITS = [[0.0, 1.0, 2.0, 3.0], [3.0, -1.0, 0.5, 0.0]]  # next-token logits after positions 0 and 1 of [2, 0, 1]
+
+
+class _LogprobHandler(_Handler):
+    """A server answering what ``token_logprobs`` asks: the table (vocab 4), the version, and prompt logprobs over
+    the whole vocabulary — or, on a server whose path says ``limited``, vLLM's refusal of a too-large request."""
+
+    def do_GET(self) -> None:  # noqa: N802
+        from sync_service.engines.vllm_server.wire import BACKEND
+
+        if self.path.startswith("/server_info"):
+            self._answer(200, {"vllm_config": {"weight_transfer_config": {"backend": BACKEND}, "model_config": {"model": "m"}}})
+        else:
+            self._answer(200, {"weight_version": "3"})
+
+    def do_POST(self) -> None:  # noqa: N802
+        import torch
+
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path.startswith("/collective_rpc"):
+            self._answer(200, {"results": [[["lm_head.weight", "float32", [4, 8]]]]})
+        elif self.server.limited:
+            self._answer(400, {"error": {"message": "Requested prompt logprobs of 4, which is greater than max allowed: "
+                                                    "20"}})
+        else:
+            assert body["prompt_logprobs"] == -1 and body["prompt"] == [2, 0, 1], body
+            rows = [None] + [{str(i): {"logprob": float(v), "rank": 1, "decoded_token": "x"}
+                              for i, v in enumerate(torch.log_softmax(torch.tensor(row), -1).tolist())} for row in LOGITS]
+            self._answer(200, {"choices": [{"index": 0, "prompt_logprobs": rows}]})
+
+
+@pytest.mark.parametrize("limited", [False, True])
+def test_token_logprobs_over_http(limited: bool) -> None:
+    """The server's full-vocabulary prompt logprobs (``/v1/completions``, ``prompt_logprobs: -1``) become one
+    ``[len - 1, vocab]`` log-softmax matrix per sequence with the version served; a server started without
+    ``--max-logprobs -1`` (vLLM refuses the request) reads as an engine with no logprobs (``TypeError``, which
+    ``policy_check`` reports as ``policy_kl: null``), naming the flag."""
+    import torch
+
+    from actors.vllm_server import VLLMServerActorCore
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _LogprobHandler)
+    server.limited = limited
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        actor = VLLMServerActorCore(VLLMServerConfig(url=f"http://127.0.0.1:{server.server_address[1]}", timeout_s=10))
+        if limited:
+            with pytest.raises(TypeError, match=r"greater than max allowed: 20.*start it with --max-logprobs -1"):
+                actor.token_logprobs([[2, 0, 1]])
+            return
+        (got,), version = actor.token_logprobs([[2, 0, 1]])
+        assert version == 3 and got.shape == (2, 4)
+        assert torch.allclose(torch.from_numpy(got), torch.log_softmax(torch.tensor(LOGITS), -1), atol=1e-6)
+    finally:
+        server.shutdown()
+        server.server_close()
