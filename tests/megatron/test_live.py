@@ -2,9 +2,10 @@
 dense layers TP=2 x DP=2, experts EP=2 x expert-TP=2) pushed by ``WeightSync`` into a transformers engine, full then
 delta. The oracle is Megatron's own forward of the unmerged LoRA model at the ranks' parallelism (none of
 weightsync's code): the engine's teacher-forced next-token log-probabilities of a fixed sequence equal Megatron's
-within ``BOUND`` (fp32) and its argmax tokens are Megatron's. Between versions the adapters change by a seeded draw
-on every rank (``randomize_adapters``: each global adapter tensor drawn from its key, replicas equal), not an
-optimizer step."""
+within ``BOUND`` (fp32) and its argmax tokens are Megatron's. Between the versions of the main test the adapters change
+by a real training step (``megatron_train.AdapterTrainer``: Megatron's forward / backward on an LM loss, AdamW); the
+other tests change them by a seeded draw on every rank (``randomize_adapters``: each global adapter tensor drawn from
+its key, replicas equal)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,24 @@ def reseed(ranks, seed: int) -> None:
     ray.get([r.randomize_adapters.remote(seed) for r in ranks], timeout=120)
 
 
+def _make_trainer(rank) -> None:
+    from sync_service.entrypoints.megatron_train import AdapterTrainer
+
+    rank.trainer = AdapterTrainer(rank.model)
+
+
+def _train_step(rank) -> float:
+    return rank.trainer.step()
+
+
+def train_step(ranks) -> float:
+    """One AdamW step on every rank (collective); the loss before it."""
+    if not hasattr(train_step, "made"):
+        ray.get([r.__ray_call__.remote(_make_trainer) for r in ranks], timeout=300)
+        train_step.made = True
+    return ray.get([r.__ray_call__.remote(_train_step) for r in ranks], timeout=300)[0]
+
+
 def test_full_then_delta_serve_megatrons_own_forward(megatron):
     from actors.launch import start_engines
     from sync_service.api import SyncConfig, WeightSync
@@ -71,12 +90,16 @@ def test_full_then_delta_serve_megatrons_own_forward(megatron):
         full = sync.push(0)
         assert full.full and full.engines[0].committed
         print("v0 full", assert_serves_megatron(engine, ranks, 0))
-        assert (megatron_logprobs(ranks) - base_lp).abs().max() > 0.05  # the LoRA changes the function
-        for v, seed in ((1, 11), (2, 12)):
-            reseed(ranks, seed)
+        before = megatron_logprobs(ranks)
+        assert (before - base_lp).abs().max() > 0.05  # the LoRA changes the function
+        for v in (1, 2):
+            loss = train_step(ranks)
             m = sync.push(v)
             assert not m.full and m.bytes < full.bytes and m.engines[0].committed
-            print(f"v{v} delta", assert_serves_megatron(engine, ranks, v))
+            print(f"v{v} delta after a step at loss {loss:.4f}", assert_serves_megatron(engine, ranks, v))
+            now = megatron_logprobs(ranks)
+            assert (now - before).abs().max() > 1e-3  # the step moved the function
+            before = now
     finally:
         sync.close()
         ray.kill(engine)
@@ -250,7 +273,7 @@ def engine_dirs(hf_model, tmp_path_factory):
 
 
 FP8_BLOCK = (8, 8)
-BF16_BOUND = 0.05  # bf16 engine vs Megatron's fp32 forward: the weights' one bf16 rounding and bf16 compute
+BF16_BOUND = 0.1  # bf16 engine vs Megatron's fp32 forward: the weights' one bf16 rounding and bf16 compute (measured 0.018-0.033)
 
 
 def served(engine) -> dict[str, torch.Tensor]:
