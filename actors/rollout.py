@@ -140,9 +140,10 @@ class RolloutEngineCore:
         factors = None if updater is self.engine else updater
         from sync_service.engines.served_check import install  # in front of the engine; its gate runs it
 
-        served = install(self.engine, getattr(request, "check_served", "off") if factors is None else "off", self.name,
-                         request.owner)
-        updater = served if factors is None else updater  # factor plans: not yet checked (docs/reliability.md)
+        served = install(self.engine, getattr(request, "check_served", "off"), self.name, request.owner)
+        if factors is not None:  # factor plans: the check sits between the receiver's merge and the engine
+            factors.inner = served
+        updater = served if factors is None else updater
         receiver = BucketReceiver(updater, plan, receiver=request.index, secret=request.secret)
         self._channels[request.owner] = (transport, receiver, factors)
         reserve = getattr(self.engine, "reserve_staging", None)  # staging touched now, not inside the first sync

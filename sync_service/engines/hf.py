@@ -220,6 +220,11 @@ class HFEngine:
         """
         self._staging.apply(name, box, data)
 
+    def staged_buffer(self, name: str) -> torch.Tensor:
+        """The staging buffer ``apply`` copies ``name``'s boxes into in this sync (the served check reads the boxes
+        there as they land, ``engines.served_check``). Raises KeyError: ``name`` is not staged."""
+        return self._staging.buffer(name)
+
     def finish_update(self) -> FinishReport:
         """Check every staged name was covered completely (boxes of one sync are disjoint). Post-load
         processing: the compute copies of staged FP8 tensors are dequantized here (``Fp8Served.dequantized``).

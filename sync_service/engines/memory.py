@@ -82,6 +82,11 @@ class MemoryEngine:
         """Raises as ``Staging.apply``."""
         self._staging.apply(name, box, data)
 
+    def staged_buffer(self, name: str) -> torch.Tensor:
+        """The staging buffer ``apply`` copies ``name``'s boxes into in this sync (the served check reads the boxes
+        there as they land, ``engines.served_check``). Raises KeyError: ``name`` is not staged."""
+        return self._staging.buffer(name)
+
     def finish_update(self) -> FinishReport:
         """Raises ValueError (a tensor covered incompletely), RuntimeError (no update, or finished already)."""
         t0 = time.perf_counter()

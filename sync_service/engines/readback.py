@@ -14,7 +14,7 @@ import xxhash
 from protocols.readback import ServedWeights, TensorDigest
 from sync_service.dtypes import wire_dtype
 
-__all__ = ["served_from_rows", "served_weights", "tensor_bytes", "tensor_digest"]
+__all__ = ["chosen", "digest_row", "served_from_rows", "served_weights", "tensor_bytes", "tensor_digest"]
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -29,6 +29,29 @@ def tensor_digest(tensor: torch.Tensor) -> str:
     return xxhash.xxh3_64_hexdigest(tensor_bytes(tensor))
 
 
+def chosen(held: Mapping[str, object], names: Sequence[str] | None, who: str, hint: str) -> list[str]:
+    """The names to read back: every key of ``held`` in its order (``names`` ``None``), else ``names`` (each once).
+
+    Raises:
+        KeyError: a name of ``names`` is not in ``held``: ``"{who}: not served here: [...] (N in all); {hint}"``.
+    """
+    picked = list(held) if names is None else list(dict.fromkeys(names))
+    missing = [n for n in picked if n not in held]
+    if missing:
+        raise KeyError(f"{who}: not served here: {missing[:5]} ({len(missing)} in all); {hint}")
+    return picked
+
+
+def digest_row(name: str, tensor: torch.Tensor | None, source: str, values: bool = False) -> list:
+    """``[name, wire dtype, shape, xxh3_64, source, bytes | None]`` of one served tensor (``None``: unreadable, the
+    row carries only the name and the source); the rows ``served_from_rows`` reads."""
+    if tensor is None:
+        return [name, "", [], "", source, None]
+    raw = tensor_bytes(tensor)
+    return [name, wire_dtype(tensor.dtype), list(tensor.shape), xxhash.xxh3_64_hexdigest(raw), source,
+            bytes(raw) if values else None]
+
+
 def served_weights(engine: str, version: int | None, tensors: Mapping[str, torch.Tensor],
                    names: Sequence[str] | None = None, values: bool = False) -> ServedWeights:
     """``ServedWeights`` of ``tensors`` (name → served tensor of one version), ``names`` only when given.
@@ -36,18 +59,8 @@ def served_weights(engine: str, version: int | None, tensors: Mapping[str, torch
     Raises:
         KeyError: a name of ``names`` is not among ``tensors`` (the missing ones are named).
     """
-    chosen = list(tensors) if names is None else list(dict.fromkeys(names))
-    missing = [n for n in chosen if n not in tensors]
-    if missing:
-        raise KeyError(f"{engine}: served_weights: not served here: {missing[:5]} ({len(missing)} in all); "
-                       f"names come from param_metas()")
-    out = []
-    for name in chosen:
-        t = tensors[name]
-        raw = tensor_bytes(t)
-        out.append(TensorDigest(name=name, dtype=wire_dtype(t.dtype), shape=tuple(t.shape),
-                                xxh3_64=xxhash.xxh3_64_hexdigest(raw), values=bytes(raw) if values else None))
-    return ServedWeights(engine=engine, version=version, tensors=tuple(out))
+    picked = chosen(tensors, names, f"{engine}: served_weights", "names come from param_metas()")
+    return served_from_rows(engine, version, [digest_row(n, tensors[n], "served", values) for n in picked])
 
 
 def served_from_rows(engine: str, version: int | None, rows: Sequence[Sequence]) -> ServedWeights:

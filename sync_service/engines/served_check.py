@@ -7,11 +7,26 @@ what it is about to serve:
    exactly once (elements counted per name and no box received twice, by ``AppliedDigests``, which sits
    between the receiver and the engine and counts independently of the engine's own bookkeeping), and
    nothing outside the announcement was applied.
-2. **The applied bytes are the bytes sent.** ``AppliedDigests`` takes xxh3_64 of every box as it comes
-   out of the verified bucket (the bucket's xxh3_64 and HMAC passed: these are the trainers' bytes); the
-   check digests the same box of the staged tensor the engine will serve. A difference is a corruption after
-   the transport's checksum (in the engine's copy, a conversion, a reload).
-3. **Finite.** Every staged floating tensor is free of NaN / Inf (FP8: the NaN bytes).
+2. **The applied bytes are the bytes sent.** Each box is read where it landed in the engine's staging right after
+   the engine's copy (``staged_buffer``), while it is in cache. For the transformers and memory engines the receiver
+   hashes those landed bytes, instead of the bucket's own, into the bucket's xxh3_64 (``apply_landed``;
+   ``streaming.applier.apply_hashed``): the digest of the applied bytes must equal the trainers' checksum, sealed
+   by their HMAC, with no second pass. A mismatch whose handed bytes do hash to the checksum is the engine's: the
+   boxes whose landed bytes differ are named (``landed_mismatch``), a corruption after the transport's checksum
+   (the engine's copy, a conversion); otherwise it is the transport's error, as without the check. Called
+   directly (``apply``), the landed box's digest is compared with the handed box's.
+3. **Finite.** The landed bytes of every box are free of NaN / Inf (FP8: the NaN codes), checked in the same
+   visit (``engines.landed``).
+
+Nothing is read again at the vote: the check's cost is per piece, on the receiver's apply thread, overlapped with
+the stream. What the landed read does not see: a write into a box's staging after its own copy returned (another
+box's copy straying into it; the HF and memory engines run no post-processing on staged bytes before commit).
+
+Factor channels (the engine merges streamed factors, ``factor_stream.receiver.FactorEngine``): the wrapper sits
+between the ``FactorEngine`` and the engine, so 1-3 hold for every engine tensor of the update — plain tensors
+(the trainers' bytes) and merged targets (the bytes the engine's merge handed over, finite as served); the factor
+blocks and pristine base boxes are compared as the receiver stored them with what the verified buckets handed it
+(``check_landed``, values when the receiver widens bf16 factors to float32).
 
 One check per channel owner (``ServedChecks``): each WeightSync's channel installs its own, which judges only the
 updates its own ``AppliedDigests`` began (matched by update token), so a second sync on the engine neither judges
@@ -21,8 +36,8 @@ Modes: ``"off"`` (not installed), ``"log"`` (a warning per refused version, coun
 the version commits), ``"enforce"`` (``CommitRefused``: the engine aborts its update, keeps serving the
 previous version, and the push aborts the version on every engine).
 
-Engines: transformers and memory get all three here (staged values in this process: ``StagedUpdate.values``). vLLM
-(in process, and a server's worker) stages in its worker: check 1 is counted here, in front of the engine (the
+Engines: transformers and memory get all three here (``staged_buffer``: the staging in this process). vLLM (in
+process, and a server's worker) stages in its worker: check 1 is counted here, in front of the engine (the
 trainers' naming); checks 2 and 3 run in the worker over its checkpoint-format staging
 (``CheckpointStore.record_applied`` / ``staged_problems``, reached through ``StagedUpdate.extra``: ``"rpc"`` in
 process, ``"sync"`` in a server's worker), on the boxes the worker was handed.
@@ -33,43 +48,50 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
 import xxhash
 
 from protocols.params import Box, box_numel
 from sync_service.engines.commit_gate import CommitRefused, StagedUpdate
-from sync_service.engines.readback import tensor_bytes
+from sync_service.engines.landed import Landed, finite
 
 __all__ = ["CHECK_NAME", "MODES", "AppliedDigests", "ServedCheck", "ServedChecks", "finite", "install"]
 
 MODES = ("off", "log", "enforce")
 CHECK_NAME = "served"
 """The check's name in the engine's ``CommitGate`` (``set_check``) and in its refusals."""
-_NAN_BYTES = {torch.float8_e4m3fn: (0x7F, 0x7F), torch.float8_e5m2: (0x7C, 0x7C), torch.float8_e8m0fnu: (0xFF, 0xFF)}
-"""FP8 dtype → (mask, value): a byte ``b`` is NaN / Inf when ``b & mask == value`` (torch has no isfinite for them)."""
+WRONG_BYTES = "holds other bytes than the trainers sent (not applied, or corrupted after the transport's checksum)"
+"""The finding of a box whose staged bytes are not the bytes handed over (after ``name: box [...]``)."""
 
 _log = logging.getLogger("weightsync.served_check")
 
 
 class AppliedDigests:
-    """The engine as the receiver sees it, recording what every ``apply`` hands it: per name the boxes and the
-    xxh3_64 of each box's bytes. Everything else is the wrapped engine's.
+    """The engine as the receiver sees it, recording what every ``apply`` hands it and how it landed (module
+    docstring): per name the boxes applied, the first box whose landed bytes differ (``wrong``), the names holding
+    NaN / Inf (``nonfinite``). Everything else is the wrapped engine's.
 
     Args:
-        engine: the ``EngineAdapter`` (HF, memory, vLLM in process).
+        engine: the ``EngineAdapter`` (HF, memory, vLLM in process, a vLLM server's worker engine).
     """
 
     def __init__(self, engine: object) -> None:
         self.engine = engine
         self._lock = threading.Lock()
-        self.boxes: dict[str, dict[Box, str]] = {}
+        self.boxes: dict[str, set[Box]] = {}
         self.update_id: object = None
         """The token of the update this wrapper began last (the ``ServedChecks`` dispatch key)."""
         self.repeated: list[tuple[str, Box]] = []
         self.announced: tuple[str, ...] = ()
+        self.wrong: dict[str, Box] = {}
+        self.nonfinite: set[str] = set()
         self.numel = {m.name: math.prod(m.shape) for m in engine.param_metas()}
+        self.staged_buffer = getattr(engine, "staged_buffer", None)
+        """``name -> its staging buffer`` where the engine stages in this process; ``None`` elsewhere (vLLM)."""
+        self._landed = Landed()
+        self._flat: dict[str, tuple[torch.Tensor, object]] = {}  # name → (staging buffer, its bytes) this sync
         chunk = getattr(engine, "apply_chunk_bytes", None)
         if chunk is not None:
             self.apply_chunk_bytes = chunk  # protocols.interfaces.ChunkedApply, as the engine declares
@@ -80,19 +102,78 @@ class AppliedDigests:
     def begin_update(self, version: int, names: Sequence[str], **kwargs: object) -> object:
         with self._lock:
             self.boxes, self.repeated, self.announced = {}, [], tuple(dict.fromkeys(names))
-            self.update_id = None
+            self.wrong, self.nonfinite, self.update_id, self._flat = {}, set(), None, {}
         self.update_id = self.engine.begin_update(version, names, **kwargs)
         return self.update_id
 
-    def apply(self, name: str, box: Box, data: torch.Tensor) -> None:
-        box = tuple(tuple(d) for d in box)
-        digest = xxhash.xxh3_64_hexdigest(tensor_bytes(data))
+    def _record(self, name: str, box: Box) -> Box:
+        box = tuple(map(tuple, box))
         with self._lock:
-            held = self.boxes.setdefault(name, {})
+            held = self.boxes.get(name)
+            if held is None:
+                held = self.boxes[name] = set()
             if box in held:
                 self.repeated.append((name, box))
-            held[box] = digest
+            held.add(box)
+        return box
+
+    def _landed_bytes(self, name: str, box: Box):
+        """The bytes of ``box`` as staged for ``name`` (``Landed.bytes``; the buffer's own bytes kept per sync)."""
+        held = self._flat.get(name)
+        if held is None:
+            buf = self.staged_buffer(name)
+            flat = buf.reshape(-1).view(torch.uint8).numpy() if buf.device.type == "cpu" and buf.is_contiguous() else None
+            held = self._flat[name] = (buf, flat)
+        return self._landed.bytes(held[0], box, held[1])
+
+    def apply_landed(self, name: str, box: Box, data: torch.Tensor):
+        """Apply ``data`` and return its bytes as they landed in the engine's staging (``Landed.bytes``: valid until
+        the next call on this thread), their finiteness recorded. The receiver hashes them into the bucket's
+        checksum (``streaming.applier.apply_hashed``; ``landed_mismatch`` when they do not match)."""
+        box = self._record(name, box)
         self.engine.apply(name, box, data)
+        if self.staged_buffer is None:
+            return self._landed.bytes(data)
+        landed = self._landed_bytes(name, box)
+        if not self._landed.finite(landed, data.dtype):
+            self.nonfinite.add(name)
+        return landed
+
+    def landed_mismatch(self, pieces: Sequence[tuple[str, Box, torch.Tensor]]) -> None:
+        """A bucket's landed bytes did not hash to its checksum while the bytes handed over did: record the
+        ``(name, box, handed data)`` pieces whose staged box differs."""
+        for name, box, data in pieces:
+            if self.staged_buffer is not None and not self._same(self._landed_bytes(name, box), data):
+                self.wrong.setdefault(name, tuple(map(tuple, box)))
+
+    def apply(self, name: str, box: Box, data: torch.Tensor) -> None:
+        box = self._record(name, box)
+        self.engine.apply(name, box, data)
+        if self.staged_buffer is not None:
+            self._judge(name, box, data, self._landed_bytes(name, box), data.dtype)
+
+    def check_landed(self, name: str, box: Box, handed: torch.Tensor, stored: torch.Tensor) -> None:
+        """Record whether ``stored`` (where ``handed`` was kept; another dtype: its values) holds the bytes handed
+        over and is finite. Thread safe (a factor receiver's merge workers apply meanwhile)."""
+        if handed.dtype != stored.dtype:
+            handed = handed.to(stored.dtype)
+        self._judge(name, box, handed, self._landed.bytes(stored), stored.dtype)
+
+    def _judge(self, name: str, box: Box, handed: torch.Tensor, landed, dtype: torch.dtype) -> None:
+        same, ok = self._same(landed, handed), self._landed.finite(landed, dtype)
+        if not (same and ok):
+            with self._lock:
+                if not same:
+                    self.wrong.setdefault(name, tuple(map(tuple, box)))
+                if not ok:
+                    self.nonfinite.add(name)
+
+    def _same(self, landed, handed: torch.Tensor) -> bool:
+        """Whether the landed bytes (``Landed.bytes``) have the digest of ``handed``'s."""
+        def digest(raw) -> int:
+            return xxhash.xxh3_64_intdigest(raw.cpu().numpy() if isinstance(raw, torch.Tensor) else raw)
+
+        return digest(landed) == digest(self._landed.bytes(handed))
 
 
 class ServedCheck:
@@ -125,36 +206,27 @@ class ServedCheck:
                      message)
 
     def problems(self, update: StagedUpdate) -> list[str]:
-        """What is wrong with ``update`` (empty: nothing), each naming the tensor and the cause. The staged values
-        (``update.values``, the engine table's names) are compared where the engine holds them in this process."""
-        boxes, repeated, announced = self.digests.boxes, self.digests.repeated, self.digests.announced
-        out = [f"{n}: box {list(map(list, b))} applied more than once" for n, b in repeated[:3]]
-        out += [f"{n}: applied but not announced for version {update.version}" for n in sorted(set(boxes) - set(announced))]
-        for name in announced:
-            got, numel = sum(box_numel(b) for b in boxes.get(name, {})), self.digests.numel.get(name)
+        """What is wrong with ``update`` (empty: nothing), each naming the tensor and the cause, from what
+        ``AppliedDigests`` recorded as the boxes landed; a vLLM worker's staging is asked (``update.extra``)."""
+        d = self.digests
+        out = [f"{n}: box {list(map(list, b))} applied more than once" for n, b in d.repeated[:3]]
+        out += [f"{n}: applied but not announced for version {update.version}"
+                for n in sorted(set(d.boxes) - set(d.announced))]
+        for name in d.announced:
+            got, numel = sum(box_numel(b) for b in d.boxes.get(name, ())), d.numel.get(name)
             if got != numel:
                 out.append(f"{name}: {got} of {numel} elements applied (a tensor the plan promised is missing)")
-        values = update.values() if update.values is not None else None
-        if values is None:  # staged in a vLLM worker: bytes and finiteness checked there (CheckpointStore)
+        out += [f"{n}: box {list(map(list, b))} {WRONG_BYTES}" for n, b in d.wrong.items()]
+        out += [f"{n}: holds NaN/Inf (would be served)" for n in sorted(d.nonfinite)]
+        if d.staged_buffer is None:  # staged in a vLLM worker: bytes and finiteness checked there (CheckpointStore)
             rpc, sync = update.extra.get("rpc"), update.extra.get("sync")
             if rpc is not None:
                 out += list(rpc("ws_staged_problems"))
             elif sync is not None:
                 out += sync.store.staged_problems()
-            return out
-        for name in announced:
-            tensor = values.get(name)
-            if tensor is None:
-                out.append(f"{name}: announced but not staged by the engine")
-                continue
-            for box, digest in boxes.get(name, {}).items():
-                view = tensor[tuple(slice(a, b) for a, b in box)]
-                if xxhash.xxh3_64_hexdigest(tensor_bytes(view)) != digest:
-                    out.append(f"{name}: box {list(map(list, box))} holds other bytes than the trainers sent "
-                               f"(not applied, or corrupted after the transport's checksum)")
-                    break
-            if not finite(tensor):
-                out.append(f"{name}: holds NaN/Inf (would be served)")
+            else:
+                out.append(f"{update.engine}: applied bytes and finiteness not checked (the engine offers neither "
+                           f"staged_buffer nor a worker's staging)")
         return out
 
 
@@ -171,19 +243,6 @@ class ServedChecks:
             if check.digests.update_id is not None and check.digests.update_id == update.update_id:
                 check(update)
                 return
-
-
-def finite(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` holds no NaN / Inf (FP8: no NaN byte); integers always."""
-    nan = _NAN_BYTES.get(tensor.dtype)
-    if nan is not None:
-        mask, value = nan
-        return not bool(((tensor.view(torch.uint8) & mask) == value).any())
-    if not tensor.is_floating_point():
-        return True
-    if bool(torch.isfinite(tensor.sum())):  # NaN / Inf propagate through a sum: a finite sum means all finite
-        return True
-    return bool(torch.isfinite(tensor).all())  # a non-finite sum may be an overflow: look element by element
 
 
 def install(engine: object, mode: str, name: str, owner: str = "") -> object:

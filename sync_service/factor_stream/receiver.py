@@ -14,6 +14,10 @@ merged plan's pieces (``rx_fp8``), so those bytes too are merged mode's. A targe
 (``rx_merge.MergePool``) as soon as its last piece of the sync (base box or factor block) has been
 applied, overlapped with the rest of the stream; ``finish_update`` waits for the tail.
 
+Behind the served check (``SyncConfig.check_served``; ``inner`` is then its ``AppliedDigests``) every merged box
+the engine stages is checked as it landed (applied exactly once, the bytes handed over, finite), and every factor
+block and pristine box as this receiver stored it (``_check_landed``).
+
 State is copy-on-write: a sync writes staged pristine tensors and term buffers; ``commit`` promotes
 them, ``abort`` drops them. A target without a complete pristine copy or complete terms is never
 merged: ``FactorStateError`` fails the sync (the coordinator then runs a full sync).
@@ -165,7 +169,8 @@ class FactorEngine:
             terms = self._staged_terms(recipe.target)
             if recipe.term not in terms:
                 terms[recipe.term] = TermBuffers.empty(recipe, self._dtypes[name], self.device)
-            terms[recipe.term].put(recipe, data)
+            stored = terms[recipe.term].put(recipe, data)
+            self._check_landed(name, box, *stored)
             self._arrived(recipe.target, name)
         elif name in self._blocks:
             meta = self._table[name]
@@ -173,7 +178,9 @@ class FactorEngine:
             if staged is None:
                 staged = self._st_pristine[name] = torch.empty(meta.shape, dtype=data.dtype, device=self.device)
                 self._st_covered[name] = 0
-            staged[tuple(slice(a, b) for a, b in box)].copy_(data)
+            landed = staged[tuple(slice(a, b) for a, b in box)]
+            landed.copy_(data)
+            self._check_landed(name, box, (data, landed))
             self._st_covered[name] += box_numel(box)
             if self._st_covered[name] == box_numel(full_box(meta.shape)):
                 self._arrived(name, name)
@@ -221,6 +228,14 @@ class FactorEngine:
         self._pool.close()
 
     # -- internals -------------------------------------------------------------------------
+    def _check_landed(self, name: str, box: Box, *pairs: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Behind the served check (``engines.served_check.AppliedDigests`` as ``inner``): each ``(handed, stored)``
+        factor block or pristine box is compared as this receiver stored it with the verified bytes handed over."""
+        check = getattr(self.inner, "check_landed", None)
+        if check is not None:
+            for handed, stored in pairs:
+                check(name, box, handed, stored)
+
     def _staged_terms(self, target: str) -> dict[int, TermBuffers]:
         staged = self._st_terms.get(target)
         if staged is None:

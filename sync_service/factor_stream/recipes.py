@@ -160,18 +160,20 @@ class TermBuffers:
     def clone(self) -> "TermBuffers":
         return TermBuffers(first=self.first, xw=self.xw.clone(), yw=self.yw.clone(), filled=set(self.filled))
 
-    def put(self, recipe: Recipe, data: torch.Tensor) -> None:
-        """Copy one block (``data``: the entry's flat view) into the buffers."""
+    def put(self, recipe: Recipe, data: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """Copy one block (``data``: the entry's flat view) into the buffers. Returns ``(handed, stored)`` for x and
+        y: the block's views of ``data`` and where they were copied (the served check compares them)."""
         x, y = read_block(recipe, data)
         if recipe.experts is None:
-            self.xw.copy_(x)
-            self.yw.copy_(y)
+            xs, ys = self.xw, self.yw
         else:
             e0 = recipe.experts[0] - recipe.term_experts[0]
             e1 = recipe.experts[1] - recipe.term_experts[0]
-            self.xw[e0:e1].copy_(x)
-            self.yw[e0:e1].copy_(y)
+            xs, ys = self.xw[e0:e1], self.yw[e0:e1]
+        xs.copy_(x)
+        ys.copy_(y)
         self.filled.add(recipe.experts)
+        return (x, xs), (y, ys)
 
     def complete(self, blocks: Sequence[tuple[int, int] | None]) -> bool:
         return set(blocks) <= self.filled

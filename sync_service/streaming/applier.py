@@ -9,7 +9,11 @@ are held at once (``slots`` acquired before each ``recv``).
 For an engine that declares ``ChunkedApply`` the bucket's xxh3_64 is checked here, fused with the copy:
 ``apply_hashed`` hands each entry to ``apply`` in cache-sized pieces and hashes each piece's bytes
 right after its copy (they are still in cache), so the payload is read from memory once, not twice;
-a mismatch fails the stage (``ProtocolError`` on ``header.checksum``) before ``finish_update``.
+a mismatch fails the stage (``ProtocolError`` on ``header.checksum``) before ``finish_update``. Behind the
+served check (an adapter offering ``apply_landed``: ``engines.served_check.AppliedDigests``) the bytes hashed are
+the piece's as they landed in the engine's staging, so the same one pass proves the applied bytes equal the
+trainers'; on a mismatch the payload is hashed once more: intact, the engine's copy is at fault and the adapter
+names the boxes (``landed_mismatch``) for the check's vote; else it is the transport's ``ProtocolError``.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from protocols.interfaces import EngineAdapter, TransportReceiver
 from protocols.wire import BucketHeader, PlanEntry, ProtocolError
 from sync_service.dtypes import TORCH_DTYPES
 from sync_service.merge.staging import chunks
-from sync_service.streaming.checksum import RunningChecksum
+from sync_service.streaming.checksum import RunningChecksum, checksum
 from sync_service.streaming.views import as_byte_array, as_byte_tensor, entry_view
 
 
@@ -36,6 +40,7 @@ def apply_hashed(adapter: EngineAdapter, payload, entries: tuple[PlanEntry, ...]
     """
     buf = as_byte_tensor(payload)
     arr = buf if buf.device.type != "cpu" else as_byte_array(payload)  # device bytes: hashed via host memory
+    landed = getattr(adapter, "apply_landed", None)  # the served check: hash the bytes where they landed
     running.reset()
     hashed = 0
     for entry in sorted(entries, key=lambda e: e.offset):
@@ -43,9 +48,13 @@ def apply_hashed(adapter: EngineAdapter, payload, entries: tuple[PlanEntry, ...]
         itemsize = TORCH_DTYPES[entry.dtype].itemsize
         for sub in chunks(entry.box, chunk_bytes, itemsize):
             piece = view[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(sub, entry.box))]
-            adapter.apply(entry.name, sub, piece)
             end = entry.offset + (piece.data_ptr() - view.data_ptr()) + piece.nbytes
-            running.update(arr[hashed:end])
+            if landed is None:
+                adapter.apply(entry.name, sub, piece)
+                running.update(arr[hashed:end])
+            else:
+                running.update(arr[hashed:end - piece.nbytes])  # padding before the piece
+                running.update(landed(entry.name, sub, piece))
             hashed = end
     running.update(arr[hashed:])
     return running.intdigest()
@@ -143,5 +152,10 @@ class ApplyStage:
                 self.adapter.apply(e.name, e.box, entry_view(buf, e))
             return
         if apply_hashed(self.adapter, payload, header.entries, chunk_bytes, running) != header.checksum:
+            mismatch = getattr(self.adapter, "landed_mismatch", None)  # the landed bytes were hashed: whose fault?
+            buf = as_byte_tensor(payload)
+            if mismatch is not None and checksum(buf) == header.checksum:  # the engine's: the served check names it
+                mismatch([(e.name, e.box, entry_view(buf, e)) for e in header.entries])
+                return
             raise ProtocolError("header.checksum", f"xxh3_64 mismatch on bucket {header.seq} of sender "
                                                    f"{header.sender}: payload corrupted")

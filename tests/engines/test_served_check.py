@@ -110,7 +110,9 @@ def test_log_commits_with_a_warning_and_off_installs_nothing(caplog, fault):
 def test_enforce_aborts_the_version_on_every_engine_through_ray(tmp_path):
     """Two transformers engines behind Ray; trainers whose base holds a NaN (``check_finite`` off, so they send it):
     each engine's served check refuses the version before it votes, ``push`` raises naming the tensor, and both
-    engines keep serving the previous version; ``check_served="log"`` commits it."""
+    engines keep serving the previous version; ``check_served="log"`` commits it. The same on a factor channel
+    (``mode="factors"``: the engines merge the streamed factors themselves): a NaN in the base of a factor target
+    (``q_proj``, sent as the pristine base) reaches only the engine's own merge, whose output the check refuses."""
     import shutil
 
     import ray
@@ -124,31 +126,39 @@ def test_enforce_aborts_the_version_on_every_engine_through_ray(tmp_path):
     base = make_base("qwen3_moe", tmp_path / "base", hidden=32, intermediate=16, vocab_size=64)
     adapter = make_adapter("qwen3_moe", base, tmp_path / "lora", r=2, seed=1, kind="target_parameters",
                            target_modules=["q_proj"])
-    nan_base = shutil.copytree(base, tmp_path / "nan_base")
-    weights = load_file(str(nan_base / "model.safetensors"))
-    weights["model.norm.weight"].view(-1)[0] = float("nan")
-    save_file(weights, str(nan_base / "model.safetensors"), metadata={"format": "pt"})
+    q_proj = "model.layers.0.self_attn.q_proj.weight"
+    nan_bases = {}
+    for tensor in ("model.norm.weight", q_proj):
+        nan_bases[tensor] = shutil.copytree(base, tmp_path / f"nan_{len(nan_bases)}")
+        weights = load_file(str(nan_bases[tensor] / "model.safetensors"))
+        weights[tensor].view(-1)[0] = float("nan")
+        save_file(weights, str(nan_bases[tensor] / "model.safetensors"), metadata={"format": "pt"})
     with local_ray():
         engines = start_engines(base, 2, prefix="e")
-        for trainer_base, mode, committed in ((base, "enforce", True), (nan_base, "enforce", False),
-                                              (nan_base, "log", True)):
-            trainers = start_trainers(trainer_base, adapter, ep=1)
-            sync = WeightSync(trainers=trainers, engines=engines,
-                              config=SyncConfig(transport="shm", timeout_s=60, check_served=mode, delta=False))
+        trainers: list = []
+        for nan, check, sync_mode, committed in ((None, "enforce", "merged", True),
+                                                 (None, "enforce", "factors", True),
+                                                 ("model.norm.weight", "enforce", "merged", False),
+                                                 ("model.norm.weight", "log", "merged", True),
+                                                 (q_proj, "enforce", "factors", False)):
+            if not trainers or trainers[0] != nan:  # one set of trainers per base
+                for t in trainers[1:]:
+                    ray.kill(t)
+                trainers = [nan, *start_trainers(base if nan is None else nan_bases[nan], adapter, ep=1)]
+            sync = WeightSync(trainers=trainers[1:], engines=engines, config=SyncConfig(
+                transport="shm", timeout_s=60, check_served=check, delta=False, mode=sync_mode))
             before = ray.get([e.served_weights.remote() for e in engines], timeout=60)
             version = max(w.version or 0 for w in before) + 1
             if committed:
                 sync.push(version)
                 assert ray.get([e.weight_version.remote() for e in engines], timeout=60) == [version] * 2
             else:
-                with pytest.raises(SyncError, match="refused by the served check: .*model.norm.weight: holds NaN/Inf"):
+                with pytest.raises(SyncError, match=f"refused by the served check: .*{nan}: holds NaN/Inf"):
                     sync.push(version)
                 after = ray.get([e.served_weights.remote() for e in engines], timeout=60)
                 assert [a.digests() for a in after] == [b.digests() for b in before]  # the previous version, bitwise
                 assert [a.version for a in after] == [b.version for b in before]
             sync.close()
-            for t in trainers:
-                ray.kill(t)
 
 
 def test_vllm_worker_store_checks_its_staging(tmp_path):
@@ -218,3 +228,41 @@ def test_the_fault_hook_is_off_without_its_environment(tmp_path, monkeypatch):
     path.write_text('{"flip": ["x"]}')
     with pytest.raises(ValueError, match=f"{faults.ENV}=.*kinds"):
         faults.armed()
+
+
+def test_the_receiver_hashes_the_landed_bytes(tmp_path, fault):
+    """Through the receiver (``factor_stream.LocalSync``: trainer threads → shm buckets → a memory engine behind
+    ``AppliedDigests``, as a rollout actor wires it): the bucket's xxh3_64 is taken over the bytes as they landed in
+    the engine's staging (``AppliedDigests.apply_landed``). A clean full push commits; a bit the engine's copy flips
+    (the fault hook) fails that hash while the payload is intact, so it is named as the engine's corruption and refused
+    before the vote, not mistaken for the transport's; the previous version stays served, bit for bit."""
+    from peft import PeftConfig
+    from safetensors.torch import load_file
+
+    from protocols.params import full_box
+    from sync_service.factor_stream.local import LocalSync, LocalSyncConfig
+    from sync_service.merge.base import SafetensorsBase
+    from sync_service.synthetic import make_adapter, make_base
+
+    base = make_base("qwen3_moe", tmp_path / "base", hidden=32, intermediate=16, vocab_size=64)
+    lora = make_adapter("qwen3_moe", base, tmp_path / "lora", r=2, seed=1, kind="target_parameters")
+    ckpt = SafetensorsBase(base)
+    run = LocalSync({m.name: ckpt.read(m.name, full_box(m.shape)).clone() for m in ckpt.metas()}, ckpt.layout,
+                    PeftConfig.from_pretrained(str(lora)), config=LocalSyncConfig(bucket_bytes=1 << 16))
+    state = load_file(str(lora / "adapter_model.safetensors"))
+    try:
+        run.engine = install(run.memory, "enforce", "e0")
+        run.push(1, state, full=True)
+        served = run.engine_state()
+        name = "model.layers.1.mlp.experts.gate_up_proj"
+        fault({"corrupt": [name]})
+        with pytest.raises(RuntimeError, match=f"refused by the served check: .*{name}: box .*corrupted after the "
+                                               f"transport's checksum"):
+            run.push(2, state, full=True)
+        fault(None)
+        assert run.memory.weight_version() == 1
+        assert all(torch.equal(served[n], t) for n, t in run.engine_state().items())
+        run.push(2, state, full=True)
+        assert run.memory.weight_version() == 2
+    finally:
+        run.close()

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sync_service.dtypes import wire_dtype
-from sync_service.engines.readback import tensor_bytes
+from sync_service.engines.readback import chosen, digest_row
 
 __all__ = ["OPAQUE", "Opaque", "opaque_reason", "served_rows"]
 
@@ -68,8 +67,6 @@ def served_rows(model: torch.nn.Module, feeds: Mapping[str, Sequence[str]],
     Raises:
         KeyError: a name of ``names`` is not among them (the missing ones are named).
     """
-    import xxhash
-
     held: dict[str, tuple[torch.Tensor | None, str]] = {}
     wanted_copies: list[str] = []
     for pname, param in model.named_parameters():
@@ -84,18 +81,7 @@ def served_rows(model: torch.nn.Module, feeds: Mapping[str, Sequence[str]],
     wanted_copies = [n for n in dict.fromkeys(wanted_copies) if n not in held]
     for name, tensor in copies(wanted_copies):
         held[name] = (tensor.to(dtype) if tensor.is_floating_point() else tensor, "checkpoint-copy")
-    chosen = sorted(held) if names is None else list(dict.fromkeys(names))
-    missing = [n for n in chosen if n not in held]
-    if missing:
-        raise KeyError(f"vLLM served_weights: not served here: {missing[:5]} ({len(missing)} in all); names come "
-                       f"from a full read back (vLLM's names, checkpoint names for checkpoint copies)")
-    rows = []
-    for name in chosen:
-        tensor, source = held[name]
-        if tensor is None:
-            rows.append([name, "", [], "", source, None])
-            continue
-        raw = tensor_bytes(tensor)
-        rows.append([name, wire_dtype(tensor.dtype), list(tensor.shape), xxhash.xxh3_64_hexdigest(raw), source,
-                     bytes(raw) if values else None])
-    return rows
+    held = dict(sorted(held.items()))
+    picked = chosen(held, names, "vLLM served_weights", "names come from a full read back (vLLM's names, checkpoint "
+                    "names for checkpoint copies)")
+    return [digest_row(name, *held[name], values) for name in picked]
