@@ -64,11 +64,16 @@ def _train_step(rank) -> float:
     return rank.trainer.step()
 
 
+_TRAINERS: set[tuple[str, ...]] = set()
+"""The rank sets that made their ``AdapterTrainer`` (once per set of actors)."""
+
+
 def train_step(ranks) -> float:
     """One AdamW step on every rank (collective); the loss before it."""
-    if not hasattr(train_step, "made"):
+    key = tuple(r._actor_id.hex() for r in ranks)
+    if key not in _TRAINERS:
         ray.get([r.__ray_call__.remote(_make_trainer) for r in ranks], timeout=300)
-        train_step.made = True
+        _TRAINERS.add(key)
     return ray.get([r.__ray_call__.remote(_train_step) for r in ranks], timeout=300)[0]
 
 
