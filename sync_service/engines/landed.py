@@ -24,7 +24,7 @@ import threading
 import numpy as np
 import torch
 
-from protocols.params import Box, box_numel
+from protocols.params import Box
 
 __all__ = ["Landed", "finite", "span"]
 
@@ -44,14 +44,14 @@ _SCRATCH_BYTES = 1 << 20
 
 def span(box: Box, shape: tuple[int, ...]) -> tuple[int, int] | None:
     """``(first, end)`` element offsets of ``box`` in a C-contiguous tensor of ``shape`` when the box is one
-    contiguous run of it, else ``None``."""
-    k = next((i for i, (a, b) in enumerate(box) if b - a != 1), len(box))
-    if any(a != 0 or b != n for (a, b), n in zip(box[k + 1:], shape[k + 1:])):
-        return None
-    first = 0
-    for (a, _), n in zip(box, shape):
-        first = first * n + a
-    return first, first + box_numel(box)
+    contiguous run of it (every dimension after its first one longer than one element is whole), else ``None``."""
+    first, numel, cut = 0, 1, False
+    for (a, b), n in zip(box, shape):
+        if cut and (a != 0 or b != n):
+            return None
+        cut = cut or b - a != 1
+        first, numel = first * n + a, numel * (b - a)
+    return first, first + numel
 
 
 class Landed:

@@ -53,7 +53,8 @@ def apply_hashed(adapter: EngineAdapter, payload, entries: tuple[PlanEntry, ...]
                 adapter.apply(entry.name, sub, piece)
                 running.update(arr[hashed:end])
             else:
-                running.update(arr[hashed:end - piece.nbytes])  # padding before the piece
+                if end - piece.nbytes > hashed:
+                    running.update(arr[hashed:end - piece.nbytes])  # padding before the piece
                 running.update(landed(entry.name, sub, piece))
             hashed = end
     running.update(arr[hashed:])
