@@ -36,11 +36,7 @@ _ERROR_BYTES = 600
 
 
 class MegatronEndpoint(TrainerEndpoint):
-    """``TrainerEndpoint`` over a ``MegatronState``: merged mode; factor streaming is not built for Megatron ranks."""
-
-    def _factor_trainer(self):
-        raise ValueError("factor streaming (SyncConfig.mode 'factors' / 'auto') is not built for Megatron trainers; "
-                         "use SyncConfig(mode='merged')")
+    """``TrainerEndpoint`` over a ``MegatronState`` (merged mode and factor streaming: ``factor_terms.py``)."""
 
 
 def attach_megatron(model_chunks, *, hf_config, lora_alpha: float | None = None, group=None, timeout_s: float = 120.0,

@@ -19,6 +19,7 @@ import torch
 
 from protocols.params import Box, ParamMeta
 from sync_service.dtypes import wire_dtype
+from sync_service.megatron.factor_terms import TermSpec, exchange, structure, term_values
 from sync_service.megatron.factors import GroupGather, local_cols, local_rows, mirror_groups
 from sync_service.megatron.placement import Placement, PlacementError, local_placements
 from sync_service.megatron.targets import Segment, geometry_of, segments_of
@@ -48,6 +49,8 @@ class _Term:
     etp: int
     b_box: tuple[int, int]
     """B's local rows' global range (the block-diagonal rule)."""
+    span: tuple[int, int]
+    """The segment's rows (positions in its box) the term adds to: all, or B's own rows (block-diagonal rule)."""
 
 
 def _unwrap(chunks) -> list:
@@ -58,8 +61,8 @@ class MegatronBase:
     """``merge.base.BaseProvider`` whose ``read`` returns merged values of the rank's segments (accumulation dtype)."""
 
     def __init__(self, state: "MegatronState", factors: dict[str, torch.Tensor], gathered: dict[str, torch.Tensor],
-                 accumulate: torch.dtype) -> None:
-        self._state, self._factors, self._gathered, self._acc = state, factors, gathered, accumulate
+                 accumulate: torch.dtype, *, raw: bool = False) -> None:
+        self._state, self._factors, self._gathered, self._acc, self._raw = state, factors, gathered, accumulate, raw
         self._metas = {}
         for seg in state.segments:
             self._metas.setdefault(seg.hf, ParamMeta(seg.hf, state.dtype_of(seg), seg.shape))
@@ -87,25 +90,25 @@ class MegatronBase:
             (c0, c1), _ = seg.cols
             w = w[:, c0:c1]
         out = w.to(self._acc, copy=True)
-        term = self._state.terms.get(i)
+        term = None if self._raw else self._state.terms.get(i)
         if term is not None:
-            out.add_(self._delta(seg, term))
+            x, y = self.factors_of(seg, term)
+            out[term.span[0]:term.span[1]].add_(term.scale * (x.to(self._acc) @ y.to(self._acc)))
         return out.unsqueeze(0) if seg.expert_dim else out
 
-    def _delta(self, seg: Segment, t: _Term) -> torch.Tensor:
+    def factors_of(self, seg: Segment, t: _Term) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y) of segment ``seg``'s term: ``linear_out`` rows [span, dim] (ETP times this rank's own rows under the
+        block-diagonal rule), ``linear_in`` columns [dim, cols]."""
         (_, (g0, g1)) = seg.cols
         a = self._factors[t.a][:, t.a_cols[0]:t.a_cols[1]] if t.a_cols else self._gathered[t.a_key][:, g0:g1]
         if t.rule == "blockdiag":  # W + ETP·s·blockdiag(B_r A_r): this rank's B rows only, ETP times
-            b_local = self._factors[t.b]
-            rows = seg.global_rows
-            b = torch.zeros((len(rows), b_local.shape[1]), dtype=self._acc, device=b_local.device)
-            inside = (rows >= t.b_box[0]) & (rows < t.b_box[1])
-            b[inside] = t.etp * b_local[rows[inside] - t.b_box[0]].to(self._acc)
+            rows = seg.global_rows[t.span[0]:t.span[1]]
+            b = t.etp * self._factors[t.b][rows - t.b_box[0]]
         elif t.b_rows is not None:
             b = self._factors[t.b].index_select(0, t.b_rows)
         else:
             b = self._gathered[t.b_key].index_select(0, seg.global_rows)
-        return t.scale * (b.to(self._acc) @ a.to(self._acc))
+        return b, a
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +155,8 @@ class MegatronState:
         self.by_name: dict[str, list[int]] = {}
         for i, seg in enumerate(self.segments):
             self.by_name.setdefault(seg.hf, []).append(i)
-        _check_names(self.segments, memory_shapes(config))
+        self._shapes = memory_shapes(config)
+        _check_names(self.segments, self._shapes)
         self.adapters = sorted(n for n, p in self.placements.items() if p.role != "base")
         self._needs: dict[str, dict[str, tuple[Placement, torch.Tensor]]] = {"dense": {}, "expert": {}}
         self.terms = {i: self._term(seg, alpha, fc2_rule) for i, seg in enumerate(self.segments)}
@@ -164,6 +168,9 @@ class MegatronState:
         self._all_check: ReplicaCheck | None = None
         self._adapter_check: ReplicaCheck | None = None
         self._adapter_parts: list[tuple[str, tuple]] = []
+        self._own_specs: dict[int, TermSpec] = {}
+        self._all_specs: list[TermSpec] = []
+        self._slot: dict[TermSpec, int] = {}
 
     # -- construction --------------------------------------------------------------------------------------------
     def _term(self, seg: Segment, alpha: float | None, fc2_rule: str) -> _Term | None:
@@ -185,8 +192,14 @@ class MegatronState:
         if b_rows is None and rule != "blockdiag":
             where[pb.key] = (pb, self.params[b])
         b_box = tuple(pb.pieces[0][0][0]) if rule == "blockdiag" else (0, 0)
+        span = (0, len(seg.global_rows))
+        if rule == "blockdiag":
+            inside = ((seg.global_rows >= b_box[0]) & (seg.global_rows < b_box[1])).nonzero().flatten()
+            span = (int(inside.min()), int(inside.max()) + 1) if len(inside) else (0, 0)
+            if span[1] - span[0] != len(inside):
+                raise PlacementError(f"{prefix}: its linear_out rows are not contiguous in {seg.hf}")
         return _Term(a=a, b=b, a_cols=a_cols, b_rows=b_rows, a_key=pa.key, b_key=pb.key, scale=scale, rule=rule,
-                     etp=self.etp, b_box=b_box)
+                     etp=self.etp, b_box=b_box, span=span)
 
     def _adapter_module(self, prefix: str):
         for chunk in self.chunks:
@@ -226,6 +239,37 @@ class MegatronState:
             self._adapter_check = ReplicaCheck([x for x, n, _ in parts if self.placements[n].role != "base"],
                                                group=self.group, rank=self.rank, world=self.world,
                                                timeout_s=self.timeout_s)
+        self._own_specs = {i: self._spec(i) for i in self.terms}
+        self._all_specs = exchange(list(self._own_specs.values()), group=self.group, world=self.world,
+                                   timeout_s=self.timeout_s)
+        counts: dict[str, int] = {}
+        for spec in self._all_specs:
+            self._slot[spec] = counts.get(spec.name, 0)
+            counts[spec.name] = self._slot[spec] + 1
+
+    def _spec(self, i: int) -> TermSpec:
+        """Segment ``i``'s term as factor streaming names it (hf-fused rows / cols, experts, rank, scaling)."""
+        seg, t = self.segments[i], self.terms[i]
+        h0 = seg.box[1 if seg.expert_dim else 0][0]
+        return TermSpec(seg.hf, tuple(seg.box[0]) if seg.expert_dim else (-1, -1), (h0 + t.span[0], h0 + t.span[1]),
+                        tuple(seg.box[-1]), self.placements[t.a].global_shape[0], t.scale)
+
+    # -- factor streaming (FactorTrainer's view of the state) -------------------------------------------------
+    def structure(self):
+        """Every rank's terms with zero factors (``factor_terms.structure``), one order on every rank."""
+        return structure(self._all_specs)
+
+    @property
+    def base(self):
+        """The tensors of every rank's segments and terms, whole (``metas()``: global shapes, this rank's dtype)."""
+        return _Metas(self)
+
+    @property
+    def factors(self) -> dict:
+        """Adapter parameter name → an object whose ``param`` is the live parameter (its dtype: the recipes' wire)."""
+        from types import SimpleNamespace
+
+        return {n: SimpleNamespace(param=self.params[n]) for n in self.adapters}
 
     @staticmethod
     def _value(t: torch.Tensor, index) -> torch.Tensor:
@@ -255,8 +299,10 @@ class MegatronState:
     def force_full(self) -> None:
         self._full_next = True
 
-    def source(self, version: int) -> MergedSource:
+    def source(self, version: int, *, whole_adapter: bool = False) -> MergedSource:
         """The merged source of ``version``'s snapshot (collective: the replica check, the factor gathers).
+        ``whole_adapter`` (factor streaming): the source's base is the pristine base and its adapter holds every
+        rank's terms (``structure()``), this rank's with their values.
 
         Raises:
             KeyError: no snapshot of ``version``. ReplicasDisagreeError: replicated factors differ (named)."""
@@ -269,8 +315,27 @@ class MegatronState:
             names = {p.key: name for name, p in self.placements.items() if p.key in gather.placements}
             gathered.update(gather.gather({k: snap.factors[names[k]] for k in gather.keys}))
         acc = torch.float64 if self.merge.accumulate_dtype == "float64" else torch.float32
-        base = MegatronBase(self, snap.factors, gathered, acc)
-        return MergedSource(base, None, config=self.merge, owned=self.owned())
+        base = MegatronBase(self, snap.factors, gathered, acc, raw=whole_adapter)
+        if not whole_adapter:
+            return MergedSource(base, None, config=self.merge, owned=self.owned())
+        adapter = self.structure()
+        for i, spec in self._own_specs.items():
+            x, y = base.factors_of(self.segments[i], self.terms[i])
+            adapter.terms[spec.name][self._slot[spec]] = term_values(spec, x, y)
+        return MergedSource(base, adapter, config=self.merge, owned=self.owned())
+
+
+class _Metas:
+    """``metas()`` of every tensor a rank's segments or any rank's terms name (global shapes: the HF model's)."""
+
+    def __init__(self, state: MegatronState) -> None:
+        self._state = state
+
+    def metas(self) -> list[ParamMeta]:
+        st = self._state
+        dtype = wire_dtype(next(iter(st.params.values())).dtype)
+        names = sorted({s.name for s in st._all_specs} | {seg.hf for seg in st.segments})
+        return [ParamMeta(n, dtype, tuple(st._shapes[n])) for n in names]
 
 
 def _scale(prefix: str, module, alpha: float | None) -> float:

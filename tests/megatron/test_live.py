@@ -110,6 +110,30 @@ def test_full_then_delta_serve_megatrons_own_forward(megatron):
         ray.kill(engine)
 
 
+def test_factor_mode_the_engine_merges_what_megatron_computes(megatron):
+    """``SyncConfig(mode="factors")``: the ranks send the pristine base once and their LoRA terms per version (each
+    rank's own: x = linear_out rows, y = linear_in columns; ETP x its own rows on the experts' linear_fc2), the engine
+    merges; full, then a delta after a training step, each equal to Megatron's forward."""
+    from actors.launch import start_engines
+    from sync_service.api import SyncConfig, WeightSync
+
+    ranks = megatron["ranks"]
+    (engine,) = start_engines(megatron["hf"], 1, prefix="mfac")
+    sync = WeightSync(trainers=megatron["handles"], engines=[engine],
+                      config=SyncConfig(transport="shm", mode="factors", timeout_s=120))
+    try:
+        for v in (0, 1):
+            if v:
+                train_step(ranks)
+            m = sync.push(v)
+            assert m.full == (v == 0) and m.engines[0].committed
+            assert any("experts.down_proj" in n for n in m.factor_tensors), m.factor_tensors
+            print(f"factors v{v}", assert_serves_megatron(engine, ranks, v))
+    finally:
+        sync.close()
+        ray.kill(engine)
+
+
 def _set_rule(table: dict):
     def body(_actor, table):
         from sync_service.megatron import deviations
@@ -226,7 +250,7 @@ def test_endpoint_calls_one_by_one_return_the_declared_reports(megatron):
     import uuid
 
     from actors.launch import start_engines
-    from protocols.endpoints import OpenChannel, SendReport, SendRequest, SnapshotReport
+    from protocols.endpoints import FactorCost, OpenChannel, SendReport, SendRequest, SnapshotReport
     from protocols.params import ParamMeta
     from protocols.wire import encode
     from sync_service.coordinator import build_sync_plan
@@ -256,8 +280,9 @@ def test_endpoint_calls_one_by_one_return_the_declared_reports(megatron):
         assert got.version == 1 and got.payload_bytes == sum(s.payload_bytes for s in sent)
         ray.get(engine.commit.remote(owner, 1), timeout=60)
         assert ray.get(engine.weight_version.remote(), timeout=60) == 1
-        with pytest.raises(Exception, match="factor streaming .* is not built for Megatron"):
-            ray.get(handles[0].factor_costs.remote(), timeout=60)
+        costs = ray.get(handles[0].factor_costs.remote(), timeout=60)  # the planning rank knows every rank's terms
+        assert costs and all(type(c) is FactorCost for c in costs)
+        assert {c.name for c in costs} == {n for s in snaps for n in s.changed}
         ray.get([a.close_transport.remote(owner) for a in (*handles, engine)], timeout=60)
     finally:
         ray.kill(engine)
