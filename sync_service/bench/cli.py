@@ -113,6 +113,10 @@ def run(args: argparse.Namespace) -> int:
     for name, g in goals.items():
         value = g["value"] if not isinstance(g["value"], float) else round(g["value"], 3)
         print(f"{name}: {json.dumps(value)} (goal {g['goal']}): {_verdict(g['met'], cfg.quick)}")
+    served = report.get("served_check") or {}
+    if "off" in served:
+        print("served check (push s, x off; goal <= 1.05): " + ", ".join(
+            f"{m} {served[m]:.3f} ({served[m] / served['off']:.3f}x)" for m in ("off", "log", "enforce")))
     for f in report["skipped"]:
         print(f"SKIPPED: {f['row']} at {f['size']}x: {f['reason']}")
     for f in report["failed"]:

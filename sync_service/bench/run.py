@@ -6,7 +6,8 @@ fan-out), the live FSDP2 trainer, floor (the bytes of our delta sync), full-gath
 the vLLM rows; a row that would not fit the memory available when it is due is skipped with its reason
 (``memory_plan``). Then, per ``cfg.links`` rate, the rows across namespace hosts (``link_run``), and the
 factor-streaming row
-(``sync_service.factor_stream.factor_streaming_row``, in process).
+(``sync_service.factor_stream.factor_streaming_row``, in process) and the served check's cost row
+(``served_cost.measure``, in process: ``report["served_check"]``).
 """
 
 from __future__ import annotations
@@ -59,6 +60,15 @@ def _factor_streaming(quick: bool) -> dict:
     sizes = {} if quick else dict(num_experts=32, hidden=256, intermediate=128, num_layers=2, r=16)
     row = factor_streaming_row("qwen3_moe", dtype="bfloat16", **sizes)
     return {**row, "model": sizes or "factor_streaming_row defaults"}
+
+
+def _served_check(cfg: BenchConfig) -> dict:
+    """The served check's cost row (``served_cost.measure``): push seconds with ``check_served`` off / log / enforce."""
+    from sync_service.bench.served_cost import measure
+
+    sizes = dict(hidden=64, intermediate=32, experts=4) if cfg.quick else {}
+    with tempfile.TemporaryDirectory(prefix="served-", dir=cfg.cache_dir) as tmp:
+        return measure(Path(tmp), repeats=cfg.repeats, **sizes)
 
 
 def _links(cfg: BenchConfig, say) -> tuple[list[Row], list[dict]]:
@@ -157,10 +167,13 @@ def run_bench(cfg: BenchConfig, *, launcher, argv: list[str] | None = None, say=
         link_rows, link_failed = _links(cfg, say)
         failed += link_failed
         factor_streaming: dict = {}
+        served_check: dict = {}
         if not cfg.link_only:
             say("factor streaming row")
             steps.step("factor streaming row")
             guarded(failed, "factor_streaming", 0, say, lambda: factor_streaming.update(_factor_streaming(cfg.quick)))
+            say("served check row")
+            guarded(failed, "served_check", 0, say, lambda: served_check.update(_served_check(cfg)))
     finally:
         steps.close()
         if ray.is_initialized():
@@ -170,6 +183,7 @@ def run_bench(cfg: BenchConfig, *, launcher, argv: list[str] | None = None, say=
     machine["load_after"] = os.getloadavg()
     report = build_report(rows, cfg, factor_bytes=factor_bytes, factor_streaming=factor_streaming, machine=machine,
                           link_rows=link_rows)
+    report["served_check"] = served_check
     report["failed"] = failed
     report["skipped"] = skipped
     return report

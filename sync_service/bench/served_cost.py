@@ -1,6 +1,8 @@
 """What the served check costs a push: push seconds with ``check_served`` off / log / enforce in one run.
 
-    python -m sync_service.bench.served_cost [--hidden 512] [--experts 16] [--repeats 3]
+    python -m sync_service.bench.served_cost [--hidden 512] [--experts 16] [--repeats 3]   # this row alone
+
+``weightsync bench`` runs it too, after the factor-streaming row (``report["served_check"]``, one printed line).
 
 An in-process sync (``factor_stream.LocalSync``, merged mode: trainer threads → shm buckets → a memory engine)
 of a synthetic fp32 Qwen3-MoE, every push a full one; the engine is the receiver's updater as in a rollout actor:
