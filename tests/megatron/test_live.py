@@ -377,3 +377,20 @@ def test_bf16_and_block_fp8_engines_serve_the_verified_weights_cast_once(megatro
             s.close()
         for e in (fp32, bf16, fp8):
             ray.kill(e)
+
+
+def test_a_wrong_alpha_or_hf_config_is_refused_on_every_rank_in_one_line(megatron):
+    import json
+
+    ranks = megatron["ranks"]
+    config = json.loads((megatron["hf"] / "config.json").read_text())
+    cases = (({"lora_alpha": 3}, "lora_alpha=3 differs from"),
+             ({"hf_config": {**config, "moe_intermediate_size": 32}}, "mlp.experts.gate_up_proj [4, 32, 32], which the "
+                                                                       "HF model of hf_config holds as [4, 64, 32]"))
+    for kw, needle in cases:
+        refs = [r.attach.remote(**kw) for r in ranks]
+        for ref in refs:
+            with pytest.raises(Exception) as info:
+                ray.get(ref, timeout=120)
+            assert any("attach_megatron: rank 0 (and 3 more) refused" in x and needle in x
+                       for x in str(info.value).splitlines()), str(info.value)
