@@ -16,7 +16,13 @@ EP / expert-TP / PP of Megatron's ``parallel_state``):
   chunks Megatron-Bridge built and that weightsync reads in place): every dense parameter's gradient summed over
   the data-parallel group, every expert parameter's (``allreduce`` False) over the expert-data-parallel group,
   both scaled by 1 / dp (Megatron's ``gradient_scaling_factor`` and ``expert_gradient_scaling_factor`` without
-  ``average_in_collective``). The Bridge adapters are all tensor-parallel shards (``tensor_model_parallel``
+  ``average_in_collective``). The expert gradients are also divided by the copies of each token the experts
+  computed on (``_expert_token_copies``): without sequence parallelism (the CPU provider's layout, which the
+  endpoint reads) the ranks of a TP group hold the same tokens and the allgather dispatcher gathers each of them
+  from every rank of the expert tensor-and-model-parallel group, so an expert's weight gradient sums that many
+  copies (the forward is right: the combine hands each copy back to its own rank). Megatron-Core refuses to train
+  MoE × TP without sequence parallelism; with this division the gradients equal one rank's
+  (``tests/megatron/test_train.py``). The Bridge adapters are all tensor-parallel shards (``tensor_model_parallel``
   True), so no gradient needs a TP reduction; the base is frozen (Bridge's LoRA sets ``requires_grad`` False);
 - at construction every adapter parameter is broadcast from the first rank of its (expert-)data-parallel group,
   as Megatron's DDP ``broadcast_params`` does, so replicas start equal and stay equal;
@@ -68,14 +74,27 @@ def _loss(batches: list, per_token: torch.Tensor):
     return loss, {"lm loss": loss.detach()}
 
 
+def _expert_token_copies(config) -> int:
+    """How many copies of each token an expert computes on: without sequence parallelism every rank of a TP group
+    holds the same tokens, and the allgather dispatcher gathers over the expert tensor-and-model-parallel group,
+    so each token arrives once per rank of that group in this rank's TP group (1 with sequence parallelism)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if config.sequence_parallel or ps.get_tensor_model_parallel_world_size() == 1:
+        return 1
+    tp = set(dist.get_process_group_ranks(ps.get_tensor_model_parallel_group()))
+    return len(tp & set(dist.get_process_group_ranks(ps.get_expert_tensor_and_model_parallel_group())))
+
+
 class AdapterTrainer:
     """AdamW on the Bridge adapters of ``model`` (this rank's chunks) over Megatron's forward / backward on
     ``tokens`` (the fixed global batch [B, s]; default ``fixed_batch`` of the model's vocabulary); see the module
     docstring.
 
     The chunks run in eval mode, with autograd on: Megatron-Core 0.19 refuses MoE × tensor parallelism in training
-    mode without sequence parallelism (``MoELayer.forward``: a performance guard), which the CPU provider leaves
-    off. The function differentiated is the one training mode computes, because what differs between the modes
+    mode without sequence parallelism (``MoELayer.forward``), which the CPU provider leaves off (the expert gradients'
+    token copies that this brings are divided out: the module docstring). The function differentiated is the one training mode computes, because what differs between the modes
     is off in this model: dropout (``hidden_dropout`` / ``attention_dropout`` 0, checked here), the router's
     input jitter (``moe_input_jitter_eps`` unset) and its auxiliary loss (``moe_aux_loss_coeff`` 0). It is also
     exactly the forward the demo's oracle runs (``megatron_logits``, eval mode).
@@ -113,6 +132,7 @@ class AdapterTrainer:
         self.optimizer = torch.optim.AdamW([p for _, p in self.params], lr=lr, weight_decay=0.0)
         self.groups = {True: ps.get_data_parallel_group(with_context_parallel=True),
                        False: ps.get_expert_data_parallel_group()}
+        self.token_copies = _expert_token_copies(config)
         self.steps = 0
         self._broadcast_params()
 
@@ -130,6 +150,15 @@ class AdapterTrainer:
 
     def step(self) -> float:
         """One AdamW step on the fixed batch; returns the loss before it (mean over the data-parallel ranks)."""
+        loss = self.backward()
+        self.optimizer.step()
+        self.steps += 1
+        return loss
+
+    def backward(self) -> float:
+        """Megatron's forward and backward of the fixed batch, the gradients reduced (each adapter parameter's
+        ``.grad``: the gradient of the global batch's mean micro-batch loss, this rank's shard); returns the loss
+        (mean over the data-parallel ranks, the same on every rank). Collective."""
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -146,8 +175,6 @@ class AdapterTrainer:
             model=self.model if len(self.model) > 1 else self.model[0], num_microbatches=len(self.micro),
             seq_length=self.seq_len, micro_batch_size=1, forward_only=False)
         self._reduce_grads()
-        self.optimizer.step()
-        self.steps += 1
         # the loss lives on the last pipeline stage; every rank reports the same mean over the dp ranks
         loss = torch.stack(batches).mean() if batches else torch.zeros(())
         last = ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
@@ -158,10 +185,10 @@ class AdapterTrainer:
     def _reduce_grads(self) -> None:
         import torch.distributed as dist
 
-        for _, p in self.params:
+        for name, p in self.params:
             if p.grad is None:  # an expert no token reached, on this rank
                 p.grad = torch.zeros_like(p)
             group = self.groups[getattr(p, "allreduce", True)]
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(p.grad, group=group)
-            p.grad.div_(self.dp)
+            p.grad.div_(self.dp * (self.token_copies if ".mlp.experts." in name else 1))
