@@ -43,21 +43,22 @@ def local_cols(p: Placement, cols: tuple[int, int]) -> tuple[int, int] | None:
     return None
 
 
-def mirror_groups(megatron_groups: list, *, world: int, timeout_s: float, device: torch.device) -> list:
-    """Weightsync's own group mirroring each of ``megatron_groups`` (this rank's Megatron groups, e.g. its tensor-
-    and expert-tensor-parallel ones), ``None`` where a group has one rank. Collective on the default group: every
-    rank learns every rank's groups (one int64 all-gather each) and makes every distinct one, in one order."""
+def mirror_groups(megatron_groups: list, *, group, world: int, timeout_s: float) -> list:
+    """Weightsync's own gloo group mirroring each of ``megatron_groups`` (this rank's Megatron groups, e.g. its tensor-
+    and expert-tensor-parallel ones), ``None`` where a group has one rank. Collective on ``group`` (weightsync's, over
+    every rank of the job): every rank learns every rank's groups (one int64 all-gather each, on the host) and makes
+    every distinct one, in one order. The factor gathers run on the host (``GroupGather``): factors are r-thin."""
     out = []
-    for group in megatron_groups:
-        ranks = dist.get_process_group_ranks(group) if group is not None else [dist.get_rank()]
-        mine = torch.full((world,), -1, dtype=torch.int64, device=device)
+    for megatron_group in megatron_groups:
+        ranks = dist.get_process_group_ranks(megatron_group) if megatron_group is not None else [dist.get_rank()]
+        mine = torch.full((world,), -1, dtype=torch.int64)
         mine[:len(ranks)] = torch.tensor(sorted(ranks), dtype=torch.int64)
         rows = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(rows, mine, async_op=True).wait(timedelta(seconds=timeout_s))
-        distinct = sorted({tuple(int(v) for v in row.cpu() if v >= 0) for row in rows})
+        dist.all_gather(rows, mine, group=group, async_op=True).wait(timedelta(seconds=timeout_s))
+        distinct = sorted({tuple(int(v) for v in row if v >= 0) for row in rows})
         made = None
         for members in distinct:
-            g = dist.new_group(list(members), backend="gloo" if device.type == "cpu" else None) if len(members) > 1 else None
+            g = dist.new_group(list(members), backend="gloo") if len(members) > 1 else None
             if dist.get_rank() in members:
                 made = g
         out.append(made)
@@ -85,7 +86,7 @@ class GroupGather:
         self.placements = {k: factors[k][0] for k in self.keys}
         self.group, self.timeout = group, timedelta(seconds=timeout_s)
         self.size = dist.get_world_size(group)
-        self.device = next((t.device for _, t in factors.values()), torch.device("cpu"))
+        self.device = torch.device("cpu")  # gloo: host buffers (the local factors are copied in, r-thin)
         self._shapes = {k: tuple(factors[k][1].shape) for k in self.keys}
         self.full = {k: torch.empty(self.placements[k].global_shape, dtype=factors[k][1].dtype, device=self.device)
                      for k in self.keys}

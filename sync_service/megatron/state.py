@@ -85,7 +85,8 @@ class MegatronBase:
         raise KeyError(f"{name} {box}: not a box this Megatron rank holds")
 
     def _merged(self, i: int, seg: Segment) -> torch.Tensor:
-        w = self._state.params[seg.param].detach().index_select(0, seg.local_rows)
+        param = self._state.params[seg.param].detach()
+        w = param.index_select(0, seg.local_rows.to(param.device))
         if seg.cols is not None:
             (c0, c1), _ = seg.cols
             w = w[:, c0:c1]
@@ -100,14 +101,15 @@ class MegatronBase:
         """(x, y) of segment ``seg``'s term: ``linear_out`` rows [span, dim] (ETP times this rank's own rows under the
         block-diagonal rule), ``linear_in`` columns [dim, cols]."""
         (_, (g0, g1)) = seg.cols
-        a = self._factors[t.a][:, t.a_cols[0]:t.a_cols[1]] if t.a_cols else self._gathered[t.a_key][:, g0:g1]
+        device = self._state.device
+        a = self._factors[t.a][:, t.a_cols[0]:t.a_cols[1]] if t.a_cols else self._gathered[t.a_key][:, g0:g1].to(device)
         if t.rule == "blockdiag":  # W + ETP·s·blockdiag(B_r A_r): this rank's B rows only, ETP times
             rows = seg.global_rows[t.span[0]:t.span[1]]
             b = t.etp * self._factors[t.b][rows - t.b_box[0]]
         elif t.b_rows is not None:
-            b = self._factors[t.b].index_select(0, t.b_rows)
+            b = self._factors[t.b].index_select(0, t.b_rows.to(device))
         else:
-            b = self._gathered[t.b_key].index_select(0, seg.global_rows)
+            b = self._gathered[t.b_key].index_select(0, seg.global_rows).to(device)
         return b, a
 
 
@@ -220,10 +222,9 @@ class MegatronState:
         from megatron.core import parallel_state as ps
 
         if self.world > 1:
-            device = torch.device("cpu")
             dense, expert = mirror_groups([ps.get_tensor_model_parallel_group(),
-                                           ps.get_expert_tensor_parallel_group()], world=self.world,
-                                          timeout_s=self.timeout_s, device=device)
+                                           ps.get_expert_tensor_parallel_group()], group=self.group, world=self.world,
+                                          timeout_s=self.timeout_s)
             for kind, group in (("dense", dense), ("expert", expert)):
                 if group is not None:
                     self.gathers[kind] = GroupGather(self._needs[kind], group=group, timeout_s=self.timeout_s)
