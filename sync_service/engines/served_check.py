@@ -15,11 +15,13 @@ what it is about to serve:
    boxes whose landed bytes differ are named (``landed_mismatch``), a corruption after the transport's checksum
    (the engine's copy, a conversion); otherwise it is the transport's error, as without the check. Called
    directly (``apply``), the landed box's digest is compared with the handed box's.
-3. **Finite.** The landed bytes of every box are free of NaN / Inf (FP8: the NaN codes), checked in the same
-   visit (``engines.landed``).
+3. **Finite.** What will be served is free of NaN / Inf (FP8: the NaN codes; ``engines.landed``): each bucket's
+   entries are read as the bucket arrives, on the receiving thread, while it is hot from the transport
+   (``received``, called by ``streaming.applier.ApplyStage.put``) — the landed hash of 2 proves the staged bytes are
+   those; called directly (``apply``), the landed box itself.
 
-Nothing is read again at the vote: the check's cost is per piece, on the receiver's apply thread, overlapped with
-the stream. What the landed read does not see: a write into a box's staging after its own copy returned (another
+Nothing is read again at the vote: the check's cost is per bucket and per piece, on the receiver's threads,
+overlapped with the stream. What the landed read does not see: a write into a box's staging after its own copy returned (another
 box's copy straying into it; the HF and memory engines run no post-processing on staged bytes before commit).
 
 Factor channels (the engine merges streamed factors, ``factor_stream.receiver.FactorEngine``): the wrapper sits
@@ -54,8 +56,11 @@ import torch
 import xxhash
 
 from protocols.params import Box, box_numel
+from protocols.wire import PlanEntry
+from sync_service.dtypes import TORCH_DTYPES
 from sync_service.engines.commit_gate import CommitRefused, StagedUpdate
 from sync_service.engines.landed import Landed, finite
+from sync_service.streaming.views import as_byte_tensor
 
 __all__ = ["CHECK_NAME", "MODES", "AppliedDigests", "ServedCheck", "ServedChecks", "finite", "install"]
 
@@ -128,16 +133,27 @@ class AppliedDigests:
 
     def apply_landed(self, name: str, box: Box, data: torch.Tensor):
         """Apply ``data`` and return its bytes as they landed in the engine's staging (``Landed.bytes``: valid until
-        the next call on this thread), their finiteness recorded. The receiver hashes them into the bucket's
-        checksum (``streaming.applier.apply_hashed``; ``landed_mismatch`` when they do not match)."""
+        the next call on this thread). The receiver hashes them into the bucket's checksum
+        (``streaming.applier.apply_hashed``; ``landed_mismatch`` when they do not match); their finiteness was
+        recorded as the bucket arrived (``received``)."""
         box = self._record(name, box)
         self.engine.apply(name, box, data)
         if self.staged_buffer is None:
             return self._landed.bytes(data)
-        landed = self._landed_bytes(name, box)
-        if not self._landed.finite(landed, data.dtype):
-            self.nonfinite.add(name)
-        return landed
+        return self._landed_bytes(name, box)
+
+    def received(self, entries: Sequence[PlanEntry], payload: object) -> None:
+        """A bucket arrived (``streaming.applier.ApplyStage.put``, on the receiving thread, before the apply thread
+        copies it): record the entries holding NaN / Inf, reading the bucket while it is hot from the transport.
+        The landed hash proves the staged bytes are these, so this is the finiteness of what will be served."""
+        if self.staged_buffer is None:  # staged in a vLLM worker: checked there
+            return
+        buf = as_byte_tensor(payload)
+        raw = buf.numpy() if buf.device.type == "cpu" else buf
+        for e in entries:
+            if not self._landed.finite(raw[e.offset:e.offset + e.nbytes], TORCH_DTYPES[e.dtype]):
+                with self._lock:
+                    self.nonfinite.add(e.name)
 
     def landed_mismatch(self, pieces: Sequence[tuple[str, Box, torch.Tensor]]) -> None:
         """A bucket's landed bytes did not hash to its checksum while the bytes handed over did: record the

@@ -96,7 +96,14 @@ class ApplyStage:
     def put(self, header: BucketHeader | None, payload, *, chunk_bytes: int = 0) -> None:
         """Queue the frame just received: apply the bucket ``header`` describes from ``payload``
         (None: release only). ``chunk_bytes`` > 0: the payload's checksum is still unchecked; apply
-        in pieces of that size and check it on the way (``apply_hashed``)."""
+        in pieces of that size and check it on the way (``apply_hashed``). An adapter with ``received``
+        (the served check: ``engines.served_check.AppliedDigests``) reads the bucket here first, on this thread."""
+        received = getattr(self.adapter, "received", None) if header is not None and payload is not None else None
+        if received is not None and self.failure is None:
+            try:
+                received(header.entries, payload)
+            except Exception as exc:  # noqa: BLE001 - the sync fails with it; the frame is still queued and released
+                self.failure = exc
         with self._idle:
             self._pending += 1
         self._q.put((header, payload, chunk_bytes))

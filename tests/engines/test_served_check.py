@@ -235,7 +235,8 @@ def test_the_receiver_hashes_the_landed_bytes(tmp_path, fault):
     ``AppliedDigests``, as a rollout actor wires it): the bucket's xxh3_64 is taken over the bytes as they landed in
     the engine's staging (``AppliedDigests.apply_landed``). A clean full push commits; a bit the engine's copy flips
     (the fault hook) fails that hash while the payload is intact, so it is named as the engine's corruption and refused
-    before the vote, not mistaken for the transport's; the previous version stays served, bit for bit."""
+    before the vote, not mistaken for the transport's; the previous version stays served, bit for bit. A NaN the
+    trainers send is found as the bucket arrives (``AppliedDigests.received``) and refused."""
     from peft import PeftConfig
     from safetensors.torch import load_file
 
@@ -247,9 +248,20 @@ def test_the_receiver_hashes_the_landed_bytes(tmp_path, fault):
     base = make_base("qwen3_moe", tmp_path / "base", hidden=32, intermediate=16, vocab_size=64)
     lora = make_adapter("qwen3_moe", base, tmp_path / "lora", r=2, seed=1, kind="target_parameters")
     ckpt = SafetensorsBase(base)
-    run = LocalSync({m.name: ckpt.read(m.name, full_box(m.shape)).clone() for m in ckpt.metas()}, ckpt.layout,
-                    PeftConfig.from_pretrained(str(lora)), config=LocalSyncConfig(bucket_bytes=1 << 16))
+    tensors = {m.name: ckpt.read(m.name, full_box(m.shape)).clone() for m in ckpt.metas()}
     state = load_file(str(lora / "adapter_model.safetensors"))
+    tensors["model.layers.0.post_attention_layernorm.weight"][5] = float("nan")
+    run = LocalSync(tensors, ckpt.layout, PeftConfig.from_pretrained(str(lora)), config=LocalSyncConfig(bucket_bytes=1 << 16))
+    try:
+        run.engine = install(run.memory, "enforce", "e0")
+        with pytest.raises(RuntimeError, match="refused by the served check: .*post_attention_layernorm.weight: holds "
+                                               "NaN/Inf"):
+            run.push(1, state, full=True)
+        assert run.memory.weight_version() is None
+    finally:
+        run.close()
+    tensors["model.layers.0.post_attention_layernorm.weight"][5] = 1.0
+    run = LocalSync(tensors, ckpt.layout, PeftConfig.from_pretrained(str(lora)), config=LocalSyncConfig(bucket_bytes=1 << 16))
     try:
         run.engine = install(run.memory, "enforce", "e0")
         run.push(1, state, full=True)
