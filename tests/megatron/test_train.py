@@ -2,11 +2,10 @@
 reduced over the data-parallel and expert-data-parallel groups as Megatron's DDP does. Oracles: (1) the same model,
 adapters and fixed batch on one rank (TP = EP = PP = DP = 1, where no reduction exists): the 4-rank gradients,
 assembled from the ranks' placements, equal it, and so do the losses of the AdamW steps that follow; (2) at every
-mesh with expert-TP 1 the reduced gradients along a random direction over the last layer's experts' ``linear_fc1``
-adapters (no router downstream: the loss is smooth along it) equal the central difference of the loss Megatron
-computes there; at the demo's expert-TP 2 (where Megatron-Bridge's forward differs from one rank's) they do not,
-pinned for the Bridge version measured. (Along the experts' ``linear_fc2`` adapters the gradients were 10% from the
-central difference already on one rank, -0.0144 vs -0.0160, 2026-12-05: not settled, not asserted.) One 4-process
+mesh with expert-TP 1 the reduced gradients along random directions over the last layer's experts' ``linear_fc1`` and
+``linear_fc2`` adapters (no router downstream: the loss is smooth along them) equal the central difference of the
+loss Megatron computes there; at the demo's expert-TP 2 (where Megatron-Bridge's forward differs from one rank's)
+they do not, pinned for the Bridge version measured. One 4-process
 group for the module (the meshes in turn), one single-rank run."""
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ MESHES = {  # 4 ranks each
 SEED, STEPS = 5, 3
 GRAD_BOUND = 1e-6  # fp32 gradients, another reduction order (measured <= 6e-8)
 LOSS_BOUND = 1e-4
-DIRECTIONAL_BOUND = 1e-2  # relative: a central difference in fp32 (a gradient off by a factor is off by >= 0.5)
+DIRECTIONAL_BOUND = 1e-2  # relative: a central difference in fp32 (measured <= 1e-3)
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +58,9 @@ def test_reduced_gradients_and_losses_equal_one_rank(runs, mesh):
 
 
 # Megatron-Bridge 0.6.2 at expert-TP 2 (CPU, no sequence parallelism; measured 2026-12-05): the experts' adapter
-# gradients Megatron's backward gives are not the derivative of the loss its forward computes there (linear_fc1 along
-# the test's direction: -0.0027 against a central difference of +0.0011); pinned so a change shows
+# gradients Megatron's backward gives (with the token copies divided out) are not the derivative of the loss its
+# forward computes there: along the test's directions linear_fc1 0.0294 vs a central difference of -0.0119,
+# linear_fc2 0.0329 vs 0.0657; pinned so a change shows
 ETP_GRADIENTS_INCONSISTENT = {"0.6.2"}
 
 
@@ -77,5 +77,5 @@ def test_gradients_are_the_derivative_of_the_loss_megatron_computes(runs, mesh):
         if consistent:
             assert abs(analytic - difference) <= DIRECTIONAL_BOUND * abs(difference), (kind, analytic, difference)
     if not consistent:
-        analytic, difference = checks["linear_fc1"]
-        assert abs(analytic - difference) > 0.5 * abs(difference), (analytic, difference)
+        for kind, (analytic, difference) in checks.items():
+            assert abs(analytic - difference) > 0.4 * abs(difference), (kind, analytic, difference)

@@ -45,7 +45,7 @@ def train_meshes(rank: int, world: int, hf_dir: str, meshes: list[dict], out: st
         trainer.optimizer.step()
         losses += [trainer.step() for _ in range(steps - 1)]
         losses.append(trainer.backward())  # the loss after the last step
-        checks = {kind: directional_check(model, trainer, kind, seed) for kind in ("linear_fc1",)}
+        checks = {kind: directional_check(model, trainer, kind, seed) for kind in ("linear_fc1", "linear_fc2")}
         if rank == 0:
             Path(d, "losses.json").write_text(json.dumps(losses))
             Path(d, "directional.json").write_text(json.dumps(checks))
@@ -68,10 +68,10 @@ def _direction(model, kind: str, seed: int) -> dict[str, torch.Tensor]:
         if pl.name not in params:
             continue
         local = torch.zeros_like(params[pl.name])
-        if ".mlp.experts." in pl.name and f".{kind}." in pl.name:
+        last = f"decoder.layers.{model[0].config.num_layers - 1}."  # the keys name global layers
+        if ".mlp.experts." in pl.key and f".{kind}." in pl.key and pl.key.startswith(last):
             key = int.from_bytes(hashlib.sha256(f"{seed}:{kind}:{pl.key}".encode()).digest()[:6], "little")
             whole = torch.randn(pl.global_shape, generator=torch.Generator().manual_seed(key))
-            whole[:-1] = 0  # [L, ...]: the last layer only
             for box, index in pl.pieces:
                 (local[index] if index else local).copy_(whole[tuple(slice(a, b) for a, b in box)])
         out[pl.name] = local
@@ -81,11 +81,13 @@ def _direction(model, kind: str, seed: int) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def directional_check(model, trainer, kind: str, seed: int, eps: float = 1e-2) -> list[float]:
     """[the reduced gradients along a random direction u of ``kind``, the central difference D(h) = (L(θ+hu) -
-    L(θ-hu)) / 2h of the loss Megatron computes at this mesh, extrapolated (4 D(ε/2) - D(ε)) / 3]: equal when the gradients are the derivative of that loss. The
-    gradients are the ones ``trainer.backward()`` left; collective."""
+    L(θ-hu)) / 2h of the loss Megatron computes at this mesh, extrapolated (4 D(ε/2) - D(ε)) / 3]: equal when the gradients are the derivative of that loss.
+    Collective."""
     from sync_service.megatron.placement import local_placements
 
     u = _direction(model, kind, seed)
+    with torch.enable_grad():
+        trainer.backward()  # the gradients at θ
     grads = {n: p.grad for n, p in trainer.params}
     dot = torch.zeros((), dtype=torch.float64)
     for pl in local_placements(model):
