@@ -176,7 +176,8 @@ class AppliedDigests:
         self._judge(name, box, handed, self._landed.bytes(stored), stored.dtype)
 
     def _judge(self, name: str, box: Box, handed: torch.Tensor, landed, dtype: torch.dtype) -> None:
-        same, ok = self._same(landed, handed), self._landed.finite(landed, dtype)
+        ok = self._landed.finite(landed, dtype)  # first: _same may reuse the scratch ``landed`` lies in
+        same = self._same(landed, handed)
         if not (same and ok):
             with self._lock:
                 if not same:

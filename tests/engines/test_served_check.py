@@ -278,3 +278,29 @@ def test_the_receiver_hashes_the_landed_bytes(tmp_path, fault):
         assert run.memory.weight_version() == 2
     finally:
         run.close()
+
+
+def test_factor_pieces_are_compared_as_stored():
+    """``AppliedDigests.check_landed``, which a factor receiver calls for every factor block and pristine base box it
+    stores: the stored copy (bf16 on the wire widened to float32, as the receiver keeps factors) is compared by value
+    with what the verified bucket handed over; a changed or non-finite stored value is named under the block."""
+    engine = _engine("memory")
+    updater = install(engine, "enforce", "e0")
+    updater.begin_update(1, [])
+    handed = torch.randn(4, 3).to(torch.bfloat16)
+    updater.check_landed("layers.0.q_proj.lora_A#0", ((0, 12),), handed, handed.to(torch.float32))
+    assert (updater.wrong, updater.nonfinite) == ({}, set())
+    stored = handed.to(torch.float32)
+    stored[1, 2] += 0.5
+    updater.check_landed("layers.0.q_proj.lora_A#0", ((0, 12),), handed, stored)
+    stored = handed.to(torch.float32).t()  # a stored copy that is no contiguous run: compared through the scratch
+    stored[0, 0] = float("inf")
+    updater.check_landed("layers.0.q_proj.lora_B#0", ((0, 12),), handed.t(), stored)
+    problems = engine.commit_gate.check("served").by_owner[""].problems(
+        engine.commit_gate.staged_update([]))
+    assert problems == [
+        "layers.0.q_proj.lora_A#0: box [[0, 12]] holds other bytes than the trainers sent (not applied, or corrupted "
+        "after the transport's checksum)",
+        "layers.0.q_proj.lora_B#0: box [[0, 12]] holds other bytes than the trainers sent (not applied, or corrupted "
+        "after the transport's checksum)",
+        "layers.0.q_proj.lora_B#0: holds NaN/Inf (would be served)"]
