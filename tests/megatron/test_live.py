@@ -394,3 +394,24 @@ def test_a_wrong_alpha_or_hf_config_is_refused_on_every_rank_in_one_line(megatro
                 ray.get(ref, timeout=120)
             assert any("attach_megatron: rank 0 (and 3 more) refused" in x and needle in x
                        for x in str(info.value).splitlines()), str(info.value)
+
+
+def _gathered_keys(_actor, endpoint_id: str) -> dict[str, list[str]]:
+    from sync_service.live.handle import lookup
+
+    state = lookup(endpoint_id).state
+    return {kind: sorted({k.split(".", 3)[3] if k.startswith("decoder.layers.") else k for k in g.keys})
+            for kind, g in state.gathers.items()}
+
+
+def test_factors_are_gathered_only_where_the_split_requires_it(megatron):
+    """TP=2 splits Bridge's linear_in of the column-parallel linear_qkv (on dim) and linear_out of the row-parallel
+    linear_proj (on out): those are gathered within the TP group; expert-TP=2 splits the experts' fc1 linear_in:
+    gathered within the expert-TP group; nothing else (the experts' fc2 serves each rank's own blocks), and only by
+    the ranks that send those boxes."""
+    got = ray.get([r.__ray_call__.remote(_gathered_keys, h.endpoint_id)
+                   for r, h in zip(megatron["ranks"], megatron["handles"])], timeout=60)
+    dense = ["self_attention.linear_proj.adapter.linear_out.weight", "self_attention.linear_qkv.adapter.linear_in.weight"]
+    assert [rank["dense"] for rank in got] == [dense, dense, [], []]  # data-parallel rank 1 sends no dense box
+    for rank in got:
+        assert {k.split(".", 4)[-1] for k in rank["expert"]} == {"linear_fc1.adapter.linear_in.weight"}, rank
