@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -32,29 +33,53 @@ import torch
 
 from protocols.params import Box
 
-__all__ = ["ENV", "KINDS", "arm", "armed", "inject"]
+__all__ = ["ENV", "KINDS", "MAX_FILE_BYTES", "arm", "armed", "inject"]
 
 ENV = "WEIGHTSYNC_TEST_FAULTS"
 """The environment variable naming the fault file (unset: no fault can be armed in this process)."""
 KINDS = ("corrupt", "drop")
 
 
+MAX_FILE_BYTES = 1 << 20
+"""The largest fault file read (a fault file lists a few tensor names)."""
+
+
 def armed() -> dict[str, str]:
     """Name → fault kind, from the file ``$WEIGHTSYNC_TEST_FAULTS`` names (``{}``: unset, or no file).
 
+    Only a regular file of at most ``MAX_FILE_BYTES`` is read (opened non-blocking, so a FIFO or a device such as
+    ``/dev/zero`` is refused, never waited on or read without end).
+
     Raises:
-        ValueError: the file is not ``{kind: [names]}`` with kinds of ``KINDS``.
+        ValueError: the path is not a regular file, is larger than ``MAX_FILE_BYTES``, is not UTF-8 JSON, or is not
+            ``{kind: [names]}`` with kinds of ``KINDS`` and string names.
     """
     path = os.environ.get(ENV)
     if not path:
         return {}
+    fix = f"write it with engines.faults.arm or unset {ENV}"
     try:
-        spec = json.loads(Path(path).read_text())
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         return {}
-    if not isinstance(spec, dict) or set(spec) - set(KINDS) or not all(isinstance(v, list) for v in spec.values()):
-        raise ValueError(f"{ENV}={path}: expected {{kind: [tensor names]}} with kinds {KINDS}, got {spec!r}")
-    return {str(name): kind for kind, names in spec.items() for name in names}
+    except OSError as exc:
+        raise ValueError(f"{ENV}={path}: cannot open the fault file ({exc.strerror}); {fix}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{ENV}={path}: not a regular file; {fix}")
+        raw = os.read(fd, MAX_FILE_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(raw) > MAX_FILE_BYTES:
+        raise ValueError(f"{ENV}={path}: larger than {MAX_FILE_BYTES} bytes, not a fault file; {fix}")
+    try:
+        spec = json.loads(raw.decode("utf-8"))
+    except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise ValueError(f"{ENV}={path}: not UTF-8 JSON ({exc}); {fix}") from None
+    if (not isinstance(spec, dict) or set(spec) - set(KINDS)
+            or not all(isinstance(v, list) and all(isinstance(n, str) for n in v) for v in spec.values())):
+        raise ValueError(f"{ENV}={path}: expected {{kind: [tensor names]}} with kinds {KINDS}, got {spec!r:.200}; {fix}")
+    return {name: kind for kind, names in spec.items() for name in names}
 
 
 def arm(path: str | Path, faults: Mapping[str, Iterable[str]] | None) -> None:
