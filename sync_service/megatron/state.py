@@ -236,10 +236,10 @@ class MegatronState:
             self._all_check = ReplicaCheck([x for x, _, _ in parts], group=self.group, rank=self.rank,
                                            world=self.world, timeout_s=self.timeout_s)
             self._all_check.check([self._value(self.params[n], index) for _, n, index in parts], what="attach")
-            self._adapter_parts = [(n, index) for x, n, index in parts if self.placements[n].role != "base"]
-            self._adapter_check = ReplicaCheck([x for x, n, _ in parts if self.placements[n].role != "base"],
-                                               group=self.group, rank=self.rank, world=self.world,
-                                               timeout_s=self.timeout_s)
+            per_push = [(x, n, index) for x, n, index in parts if self._checked_per_push(n)]
+            self._adapter_parts = [(n, index) for _, n, index in per_push]
+            self._adapter_check = ReplicaCheck([x for x, _, _ in per_push], group=self.group, rank=self.rank,
+                                               world=self.world, timeout_s=self.timeout_s)
         self._own_specs = {i: self._spec(i) for i in self.terms}
         self._all_specs = exchange(list(self._own_specs.values()), group=self.group, world=self.world,
                                    timeout_s=self.timeout_s)
@@ -247,6 +247,12 @@ class MegatronState:
         for spec in self._all_specs:
             self._slot[spec] = counts.get(spec.name, 0)
             counts[spec.name] = self._slot[spec] + 1
+
+    def _checked_per_push(self, name: str) -> bool:
+        """Replicas checked on every push: the adapters (they train) and the small replicated base tensors, norms and
+        the router (1-D, or ``mlp.router.weight``); the large base boxes once, at attach (frozen under LoRA)."""
+        p = self.placements[name]
+        return p.role != "base" or len(p.global_shape) == 1 or p.key.endswith("mlp.router.weight")
 
     def _spec(self, i: int) -> TermSpec:
         """Segment ``i``'s term as factor streaming names it (hf-fused rows / cols, experts, rank, scaling)."""
@@ -306,11 +312,12 @@ class MegatronState:
         rank's terms (``structure()``), this rank's with their values.
 
         Raises:
-            KeyError: no snapshot of ``version``. ReplicasDisagreeError: replicated factors differ (named)."""
+            KeyError: no snapshot of ``version``. ReplicasDisagreeError: replicated factors, norms or router weights
+                differ (named)."""
         snap = self._snapshots.take(version)
         if self._adapter_check is not None:
-            self._adapter_check.check([self._value(snap.factors[n], index) for n, index in self._adapter_parts],
-                                      what=f"push of version {version}")
+            self._adapter_check.check([self._value(snap.factors.get(n, self.params[n]), index)
+                                       for n, index in self._adapter_parts], what=f"push of version {version}")
         gathered: dict[str, torch.Tensor] = {}
         for kind, gather in self.gathers.items():
             names = {p.key: name for name, p in self.placements.items() if p.key in gather.placements}

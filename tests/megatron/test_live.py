@@ -38,7 +38,7 @@ def engine_logprobs(engine) -> tuple[torch.Tensor, int | None]:
     from sync_service.entrypoints.megatron_rank import TOKENS
 
     (lp,), version = ray.get(engine.token_logprobs.remote([TOKENS[0].tolist()]), timeout=120)
-    return torch.from_numpy(lp).double(), version
+    return torch.from_numpy(lp.copy()).double(), version
 
 
 def assert_serves_megatron(engine, ranks, version: int) -> float:
@@ -179,19 +179,19 @@ def test_the_bridge_rule_is_what_megatron_computes_and_unknown_versions_are_refu
         ray.get([r.__ray_call__.remote(*_set_rule(known)) for r in ranks], timeout=60)
 
 
-def _nudge(_actor, name: str):
+def _nudge(_actor, name: str, by: float = 1e-3):
     import torch as t
 
     with t.no_grad():
         for chunk in _actor.model:
             for n, p in chunk.named_parameters():
                 if n == name:
-                    p.add_(1e-3)
+                    p.add_(by)
 
 
 def test_replicas_that_disagree_fail_the_push_on_every_engine(megatron):
     """Rank 2 holds a data-parallel replica of rank 0's dense adapter shards: one drifted value fails the push
-    (named), the engine keeps serving the version before."""
+    (named), the engine keeps serving the version before; so does a drifted layer norm (replicated on every rank)."""
     from actors.launch import start_engines
     from sync_service.api import SyncConfig, WeightSync
     from sync_service.coordinator.metrics import SyncError
@@ -211,6 +211,15 @@ def test_replicas_that_disagree_fail_the_push_on_every_engine(megatron):
         reseed(ranks, 21)
         sync.push(2)
         assert_serves_megatron(engine, ranks, 2)
+        norm = "decoder.layers.1.input_layernorm.weight"  # replicated on all 4 ranks (TP and DP): checked every push
+        ray.get(ranks[1].__ray_call__.remote(_nudge, norm), timeout=60)
+        try:
+            with pytest.raises(SyncError, match="replicas disagree") as info:
+                sync.push(3)
+            assert "input_layernorm" in str(info.value) and "[0, 2, 3] vs [1]" in str(info.value), str(info.value)
+        finally:
+            ray.get(ranks[1].__ray_call__.remote(_nudge, norm, -1e-3), timeout=60)
+        assert ray.get(engine.weight_version.remote(), timeout=60) == 2
     finally:
         sync.close()
         ray.kill(engine)
