@@ -21,8 +21,10 @@ EP / expert-TP / PP of Megatron's ``parallel_state``):
   endpoint reads) the ranks of a TP group hold the same tokens and the allgather dispatcher gathers each of them
   from every rank of the expert tensor-and-model-parallel group, so an expert's weight gradient sums that many
   copies (the forward is right: the combine hands each copy back to its own rank). Megatron-Core refuses to train
-  MoE × TP without sequence parallelism; with this division the gradients equal one rank's
-  (``tests/megatron/test_train.py``). The Bridge adapters are all tensor-parallel shards (``tensor_model_parallel``
+  MoE × TP without sequence parallelism; with this division the gradients equal one rank's at expert-TP 1
+  (``tests/megatron/test_train.py``). At expert-TP > 1 Megatron-Bridge 0.6.2's expert adapter gradients are not the
+  derivative of its forward (measured, docs/integrate.md "Megatron-Core / Megatron-Bridge"): the step applies them
+  as Megatron computes them. The Bridge adapters are all tensor-parallel shards (``tensor_model_parallel``
   True), so no gradient needs a TP reduction; the base is frozen (Bridge's LoRA sets ``requires_grad`` False);
 - at construction every adapter parameter is broadcast from the first rank of its (expert-)data-parallel group,
   as Megatron's DDP ``broadcast_params`` does, so replicas start equal and stay equal;
