@@ -95,8 +95,9 @@ class AdapterTrainer:
     docstring.
 
     The chunks run in eval mode, with autograd on: Megatron-Core 0.19 refuses MoE × tensor parallelism in training
-    mode without sequence parallelism (``MoELayer.forward``), which the CPU provider leaves off (the expert gradients'
-    token copies that this brings are divided out: the module docstring). The function differentiated is the one training mode computes, because what differs between the modes
+    mode without sequence parallelism (``MoELayer.forward``), which the CPU provider leaves off (the local spec's torch
+    norm refuses it without Transformer Engine or Apex; the expert gradients' token copies that this brings are divided
+    out: the module docstring). The function differentiated is the one training mode computes, because what differs between the modes
     is off in this model: dropout (``hidden_dropout`` / ``attention_dropout`` 0, checked here), the router's
     input jitter (``moe_input_jitter_eps`` unset) and its auxiliary loss (``moe_aux_loss_coeff`` 0). It is also
     exactly the forward the demo's oracle runs (``megatron_logits``, eval mode).
