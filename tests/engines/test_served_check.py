@@ -161,10 +161,11 @@ def test_enforce_aborts_the_version_on_every_engine_through_ray(tmp_path):
             sync.close()
 
 
-def test_vllm_worker_store_checks_its_staging(tmp_path):
+def test_vllm_worker_store_checks_its_staging(tmp_path, fault):
     """The vLLM worker's half (``CheckpointStore.record_applied`` / ``staged_problems``, reached by the check through
-    ``StagedUpdate.extra``): a byte flipped in the staging after the copy and a NaN handed to it are named; a clean
-    sync has no finding; not recording, nothing is compared."""
+    ``StagedUpdate.extra``): each box is read as it lands in the staging — a bit the copy flips (the fault hook, in
+    the store's ``Staging.apply``), a box counted but never copied, and a NaN handed to it are named; a clean sync has
+    no finding; not recording, nothing is compared."""
     from safetensors.torch import save_file
 
     from sync_service.engines.vllm.store import CheckpointStore
@@ -173,24 +174,25 @@ def test_vllm_worker_store_checks_its_staging(tmp_path):
     store = CheckpointStore(tmp_path, torch.float32)
     known = frozenset({"a.weight", "b.weight"})
 
-    def sync(corrupt: bool = False, nan: bool = False) -> list[str]:
+    def sync(armed: dict | None = None, nan: bool = False, b: float = 1.0) -> list[str]:
+        fault(armed)
         store.begin(["a.weight", "b.weight"], known)
         a = torch.arange(12.0).reshape(4, 3)
         store.apply("a.weight", ((0, 2), (0, 3)), a[:2])
         store.apply("a.weight", ((2, 4), (0, 3)), a[2:])
-        store.apply("b.weight", ((0, 2),), torch.tensor([1.0, float("nan") if nan else 2.0]))
+        store.apply("b.weight", ((0, 2),), torch.tensor([b, float("nan") if nan else 2.0]))
         store.check_complete()
-        if corrupt:
-            store._staging.buffer("a.weight")[3, 1] += 1
         problems = store.staged_problems()
         store.drop()
         return problems
 
-    assert sync(corrupt=True) == []  # not recording
+    assert sync({"corrupt": ["a.weight"]}) == []  # not recording
     store.record_applied(True)
     assert sync() == []
-    (corrupted,) = sync(corrupt=True)
-    assert corrupted.startswith("a.weight: box [[2, 4], [0, 3]] holds other bytes than the trainers sent")
+    (corrupted,) = sync({"corrupt": ["a.weight"]})
+    assert corrupted.startswith("a.weight: box [[0, 2], [0, 3]] holds other bytes than the trainers sent")
+    (dropped,) = sync({"drop": ["b.weight"]}, b=5.0)  # the staging keeps the last sync's 1.0
+    assert dropped.startswith("b.weight: box [[0, 2]] holds other bytes than the trainers sent (not applied")
     assert sync(nan=True) == ["b.weight: holds NaN/Inf (would be served)"]
 
 

@@ -24,6 +24,7 @@ from safetensors import safe_open
 
 from protocols.params import Box, ParamMeta
 from sync_service.dtypes import wire_dtype
+from sync_service.engines.landed import finite
 from sync_service.engines.readback import tensor_digest
 from sync_service.engines.staging import Staging
 from sync_service.merge.base import layer_order_key
@@ -73,7 +74,8 @@ class CheckpointStore:
         self._committed: dict[str, torch.Tensor] = {}
         self._staging = Staging(lambda n: torch.empty(self._shapes[n], dtype=self._dtype), "vLLM engine")
         self._record = False
-        self._applied: dict[tuple[str, Box], str] = {}  # (name, box) -> xxh3_64 of the bytes handed to apply
+        self._wrong: dict[str, Box] = {}  # the served check: name -> its first box that landed other than handed
+        self._nonfinite: dict[str, None] = {}  # the served check: names whose landed boxes hold NaN / Inf
 
     # -- table -----------------------------------------------------------------------------
     def metas(self, names: Iterable[str] | None = None) -> list[ParamMeta]:
@@ -98,7 +100,7 @@ class CheckpointStore:
                 "send tensors under the keys save_pretrained writes"
             )
         self.drop()
-        self._applied = {}
+        self._wrong, self._nonfinite = {}, {}
         self._staging.begin(0, names)  # the engine tracks the version
 
     def apply(self, name: str, box: Box, data: torch.Tensor) -> None:
@@ -107,30 +109,27 @@ class CheckpointStore:
         Raises:
             as ``Staging.apply``.
         """
-        if self._record:  # the served check: what this apply was handed (engines.served_check)
-            self._applied[(name, tuple(tuple(d) for d in box))] = tensor_digest(data)
         self._staging.apply(name, box, data)
+        if self._record:  # the served check: the box as it landed, right after the copy (engines.served_check)
+            landed = self._staging.buffer(name)[tuple(slice(a, b) for a, b in box)]
+            if not finite(landed):
+                self._nonfinite.setdefault(name)
+            if tensor_digest(landed) != tensor_digest(data):
+                self._wrong.setdefault(name, tuple(tuple(d) for d in box))
 
     def record_applied(self, on: bool) -> None:
-        """Record the xxh3_64 of every box handed to ``apply`` from the next sync on (the served check)."""
-        self._record, self._applied = bool(on), {}
+        """From the next sync on, compare every box ``apply`` copies, as it landed, with the bytes it was handed, and
+        read its finiteness there (the served check)."""
+        self._record, self._wrong, self._nonfinite = bool(on), {}, {}
 
     def staged_problems(self) -> list[str]:
-        """The served check in the worker, after ``check_complete``: each recorded box of the staging holds the bytes
-        ``apply`` was handed, and every staged tensor is finite. Returns the findings (empty: none), each naming
-        the tensor (checkpoint name) and the cause; ``[]`` when not recording."""
-        from sync_service.engines.served_check import finite
-
-        out = []
-        for (name, box), digest in self._applied.items():
-            view = self._staging.buffer(name)[tuple(slice(a, b) for a, b in box)]
-            if tensor_digest(view) != digest:
-                out.append(f"{name}: box {[list(d) for d in box]} holds other bytes than the trainers sent "
-                           f"(not applied, or corrupted after the transport's checksum, in the vLLM worker)")
-        if self._record:
-            out += [f"{n}: holds NaN/Inf (would be served)" for n in self._staging.names()
-                    if not finite(self._staging.buffer(n))]
-        return out
+        """The served check in the worker: what ``apply`` found as each box landed in the staging — a box holding
+        other bytes than it was handed, a tensor holding NaN / Inf. Returns the findings (empty: none), each naming
+        the tensor (checkpoint name) and the cause; ``[]`` when not recording. Reads nothing again."""
+        out = [f"{name}: box {[list(d) for d in box]} holds other bytes than the trainers sent "
+               f"(not applied, or corrupted after the transport's checksum, in the vLLM worker)"
+               for name, box in self._wrong.items()]
+        return out + [f"{n}: holds NaN/Inf (would be served)" for n in self._nonfinite]
 
     def check_complete(self) -> None:
         """Raises ``ValueError`` naming the tensors whose applied elements differ from their size."""
