@@ -40,9 +40,9 @@ previous version, and the push aborts the version on every engine).
 
 Engines: transformers and memory get all three here (``staged_buffer``: the staging in this process). vLLM (in
 process, and a server's worker) stages in its worker: check 1 is counted here, in front of the engine (the
-trainers' naming); checks 2 and 3 run in the worker over its checkpoint-format staging
+trainers' naming); checks 2 and 3 run in the worker, each box read as it lands in its checkpoint-format staging
 (``CheckpointStore.record_applied`` / ``staged_problems``, reached through ``StagedUpdate.extra``: ``"rpc"`` in
-process, ``"sync"`` in a server's worker), on the boxes the worker was handed.
+process, ``"sync"`` in a server's worker), against the bytes the worker was handed.
 """
 
 from __future__ import annotations
