@@ -78,11 +78,41 @@ def lora_alpha(path: str | Path, given: float | None) -> tuple[float, str]:
     return float(given), "--lora-alpha"
 
 
-def _geometry(config: dict) -> dict[str, int]:
-    heads = int(config["num_attention_heads"])
-    groups = int(config.get("num_key_value_heads") or heads)
-    head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
-    return {"heads": heads, "groups": groups, "head_dim": head_dim}
+def _geometry(hf_dir: Path) -> dict[str, int]:
+    """heads, key/value groups, head_dim and hidden size of ``hf_dir``'s ``config.json``.
+
+    Raises:
+        MergeError: the file is not JSON or lacks the attention geometry."""
+    try:
+        config = json.loads((hf_dir / "config.json").read_text())
+        heads = int(config["num_attention_heads"])
+        groups = int(config.get("num_key_value_heads") or heads)
+        head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
+        hidden = int(config["hidden_size"])
+    except (ValueError, KeyError, TypeError, AttributeError, ZeroDivisionError) as exc:
+        raise MergeError(f"--hf-config {hf_dir}: config.json is not an HF model config with num_attention_heads / "
+                         f"hidden_size ({type(exc).__name__}: {' '.join(str(exc).split())[:120]}); give the HF model "
+                         f"directory the Megatron model was converted from") from None
+    return {"heads": heads, "groups": groups, "head_dim": head_dim, "hidden": hidden,
+            "tie": bool(config.get("tie_word_embeddings"))}
+
+
+def _check_attention(state: dict[str, torch.Tensor], geometry: dict[str, int], ckpt: Path, hf_dir: Path) -> None:
+    """The checkpoint's attention shapes are those of ``geometry``: ``linear_proj`` [L, hidden, heads·head_dim]
+    fixes the heads, ``linear_qkv`` [L, (heads + 2·groups)·head_dim, hidden] the groups (the rows alone could
+    split another model's way: 4 heads / 2 groups and 6 / 1 both give 8 head_dims).
+
+    Raises:
+        MergeError: naming the shapes and both directories."""
+    heads, groups, head_dim, hidden = (geometry[k] for k in ("heads", "groups", "head_dim", "hidden"))
+    want = {"self_attention.linear_proj.weight": (hidden, heads * head_dim),
+            "self_attention.linear_qkv.weight": ((heads + 2 * groups) * head_dim, hidden)}
+    for name, shape in want.items():
+        tensor = state.get(_LAYERS + name)
+        if tensor is not None and tuple(tensor.shape[-2:]) != shape:
+            raise MergeError(f"{ckpt}: {_LAYERS}{name} is {list(tensor.shape)}, --hf-config {hf_dir} (heads {heads}, "
+                             f"key/value heads {groups}, head_dim {head_dim}, hidden {hidden}) wants [L, {shape[0]}, "
+                             f"{shape[1]}]; give the HF model the checkpoint was converted from")
 
 
 def _layer_tensors(state: dict[str, torch.Tensor]):
@@ -146,9 +176,10 @@ def hf_dirs(ckpt: str | Path, hf_dir: str | Path, tmp: str | Path, *, alpha: flo
     if not (hf_dir / "config.json").is_file():
         raise MergeError(f"--hf-config {hf_dir}: no config.json; give the HF model directory the Megatron model "
                          f"was converted from")
-    config = json.loads((hf_dir / "config.json").read_text())
-    geometry = _geometry(config)
+    geometry = _geometry(hf_dir)
     state = read_dcp_state(ckpt, tensors_only=True)
+    _check_attention(state, geometry, ckpt, hf_dir)
+    split_geometry = {k: geometry[k] for k in ("heads", "groups", "head_dim")}
     base: dict[str, torch.Tensor] = {}
     lora_in: dict[str, torch.Tensor] = {}
     lora_out: dict[str, torch.Tensor] = {}
@@ -159,10 +190,10 @@ def hf_dirs(ckpt: str | Path, hf_dir: str | Path, tmp: str | Path, *, alpha: flo
             for name in hf:
                 lora_in[name] = tensor
         elif key.endswith(_ADAPTER_OUT):
-            for name, part in zip(hf, split(row, tensor, **geometry)):
+            for name, part in zip(hf, split(row, tensor, **split_geometry)):
                 lora_out[name] = part
         else:
-            for name, part in zip(hf, split(row, tensor, **geometry)):
+            for name, part in zip(hf, split(row, tensor, **split_geometry)):
                 base[name] = part
     if not lora_in:
         raise MergeError(f"{ckpt}: no Megatron-Bridge LoRA (no '*{_ADAPTER_IN}' key); nothing to merge")
@@ -170,7 +201,7 @@ def hf_dirs(ckpt: str | Path, hf_dir: str | Path, tmp: str | Path, *, alpha: flo
         raise MergeError(f"{ckpt}: LoRA dims {sorted(dims)} (one expected) or linear_in without linear_out")
     dim = dims.pop()
     alpha_value, alpha_from = lora_alpha(ckpt, alpha)
-    if config.get("tie_word_embeddings"):
+    if geometry["tie"]:
         base.pop("lm_head.weight", None)
     base_dir = _write_base(base, hf_dir, tmp / "base", ckpt) if base else hf_dir
     adapter_dir = _write_adapter(lora_in, lora_out, tmp / "adapter", dim=dim, alpha=alpha_value, hf_dir=hf_dir)
@@ -195,7 +226,33 @@ def _write_base(base: dict[str, torch.Tensor], hf_dir: Path, out: Path, ckpt: Pa
         if item.is_file() and not item.name.endswith((".safetensors", ".bin")) and item.name != "model.safetensors.index.json":
             shutil.copy2(item, out / item.name)
     save_file({k: v.clone() for k, v in base.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if not expected:
+        _check_config_shapes(out, hf_dir, ckpt)
     return out
+
+
+def _check_config_shapes(base_dir: Path, hf_dir: Path, ckpt: Path) -> None:
+    """Where ``--hf-config`` holds no weights, the written base must be the model its ``config.json`` builds
+    (transformers' model on the meta device, its in-memory names; a tied ``lm_head`` is the embedding): other
+    layer, expert, vocabulary or intermediate sizes would give a checkpoint transformers cannot load, or fills
+    with fresh random weights.
+
+    Raises:
+        MergeError: naming the first differing tensors."""
+    from sync_service.merge.base import SafetensorsBase
+    from sync_service.merge.derive import config_object, meta_model
+
+    config = config_object(json.loads((base_dir / "config.json").read_text()))
+    want = {k: tuple(v.shape) for k, v in meta_model(config).state_dict().items()}
+    got = {m.name: tuple(m.shape) for m in SafetensorsBase(base_dir).metas()}
+    if getattr(config, "tie_word_embeddings", False):
+        want.pop("lm_head.weight", None)
+    missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    wrong = sorted(f"{k} {list(got[k])} vs {list(want[k])}" for k in set(want) & set(got) if got[k] != want[k])
+    if missing or extra or wrong:
+        raise MergeError(f"{ckpt}: its tensors are not the model --hf-config {hf_dir}/config.json builds: missing "
+                         f"{missing[:2]}, not in the config {extra[:2]}, other shapes {wrong[:2]}; give the HF model "
+                         f"the checkpoint was converted from")
 
 
 def _write_adapter(lora_in: dict, lora_out: dict, out: Path, *, dim: int, alpha: float, hf_dir: Path) -> Path:
