@@ -16,14 +16,13 @@ weights within fp32 rounding, greedy generations equal up to near-ties). ``--jso
 from __future__ import annotations
 
 import math
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sync_service.entrypoints.sync_cli import (RunConfig, VersionRow, first_version, print_row, run_and_report, start_ray,
-                                               sync_config)
+from sync_service.entrypoints.sync_cli import (RunConfig, VersionRow, engines_and_sync, local_session, print_row,
+                                               run_and_report)
 from sync_service.entrypoints.progress import Steps
-from sync_service.entrypoints.workdir import run_dir, ray_temp
+from sync_service.entrypoints.workdir import run_dir
 
 __all__ = ["TRAINERS", "TrainerKind", "run_trainer_demo", "save_adapter"]
 
@@ -90,27 +89,19 @@ def _run(cfg: RunConfig, kind: str, losses: list, launcher) -> list[VersionRow]:
     trainer = TRAINERS[kind]
     import ray
 
-    from sync_service.api import WeightSync
     from sync_service.live.example import ExampleTrainingRank, lora_config
 
     tmp = run_dir("live")
     rows: list[VersionRow] = []
     steps = Steps(4 + 2 * cfg.versions)
-    try:
-        steps.step("starting a local Ray (2 CPUs)")
-        start_ray(ray_temp(tmp))
+    with local_session(tmp, steps):
         steps.step(f"starting {trainer.world} training ranks ({kind}: {trainer.mesh}), attaching weightsync")
         actor = ray.remote(num_cpus=0, max_concurrency=2)(ExampleTrainingRank)
         ranks = [actor.remote(k, trainer.world) for k in range(trainer.world)]
         host, port = ray.get(ranks[0].rendezvous.remote(), timeout=cfg.timeout_s)
         handles = ray.get([r.setup.remote(host, port, str(cfg.base), trainer.mode, **trainer.setup) for r in ranks],
                           timeout=cfg.timeout_s)
-        steps.step(f"starting {cfg.engines} engine(s)")
-        engines = launcher.start_engines(cfg.base, cfg.engines, timeout_s=cfg.timeout_s)
-        names = ray.get([e.engine_name.remote() for e in engines], timeout=cfg.timeout_s)
-        steps.step("planning, validating the plan against every engine")
-        sync = WeightSync(trainers=handles, engines=engines, config=sync_config(cfg))
-        first = first_version(sync.engine_versions(), given=cfg.first_version, reset=cfg.reset_versions)
+        engines, names, sync, first = engines_and_sync(cfg, launcher, handles, steps)
         for v in range(first, first + cfg.versions):
             steps.step(f"version {v}: AdamW step on {trainer.world} ranks, push")
             losses.append(sum(ray.get([r.train_step.remote() for r in ranks], timeout=cfg.timeout_s)) / trainer.world)
@@ -122,10 +113,6 @@ def _run(cfg: RunConfig, kind: str, losses: list, launcher) -> list[VersionRow]:
             rows.append(VersionRow.of(v, m, _verify(engines, names, cfg.base, adapter_dir, cfg.timeout_s)))
             print_row(rows[-1])
         sync.close()
-    finally:
-        steps.close()
-        ray.shutdown()
-        shutil.rmtree(tmp, ignore_errors=True)
     return rows
 
 

@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import shutil
 from dataclasses import dataclass
 
 from sync_service.entrypoints.progress import Steps
-from sync_service.entrypoints.sync_cli import (RunConfig, VersionRow, first_version, print_row, run_and_report, start_ray,
-                                               sync_config)
-from sync_service.entrypoints.workdir import ray_temp, run_dir
+from sync_service.entrypoints.sync_cli import (RunConfig, VersionRow, engines_and_sync, local_session, print_row,
+                                               run_and_report)
+from sync_service.entrypoints.workdir import run_dir
 
 __all__ = ["LOGPROB_BOUND", "MEGATRON_TRAINERS", "MegatronKind", "ORACLE_TOKENS", "megatron_missing",
            "run_megatron_demo"]
@@ -129,7 +128,6 @@ def _verify(ranks, engines, names, version: int, timeout_s: float, oracles: list
 def _run(cfg: RunConfig, kind: str, losses: list, moved: list, launcher) -> list[VersionRow]:
     import ray
 
-    from sync_service.api import WeightSync
     from sync_service.entrypoints.megatron_rank import start_megatron_ranks
 
     trainer = MEGATRON_TRAINERS[kind]
@@ -137,9 +135,7 @@ def _run(cfg: RunConfig, kind: str, losses: list, moved: list, launcher) -> list
     rows: list[VersionRow] = []
     oracles: list = []
     steps = Steps(5 + 2 * cfg.versions)
-    try:
-        steps.step("starting a local Ray (2 CPUs)")
-        start_ray(ray_temp(tmp))
+    with local_session(tmp, steps):
         steps.step(f"starting {trainer.world} Megatron-Core ranks ({kind}: {trainer.mesh}), converting the base with "
                    "Megatron-Bridge, Bridge LoRA")
         ranks, mesh = start_megatron_ranks(str(cfg.base), world=trainer.world, tp=trainer.tp, ep=trainer.ep,
@@ -149,12 +145,7 @@ def _run(cfg: RunConfig, kind: str, losses: list, moved: list, launcher) -> list
         ray.get([r.__ray_call__.remote(_make_trainer, LEARNING_RATE) for r in ranks], timeout=cfg.timeout_s)
         steps.step("attaching weightsync to every rank (attach_megatron)")
         handles = ray.get([r.attach.remote() for r in ranks], timeout=cfg.timeout_s)
-        steps.step(f"starting {cfg.engines} engine(s)")
-        engines = launcher.start_engines(cfg.base, cfg.engines, timeout_s=cfg.timeout_s)
-        names = ray.get([e.engine_name.remote() for e in engines], timeout=cfg.timeout_s)
-        steps.step("planning, validating the plan against every engine")
-        sync = WeightSync(trainers=handles, engines=engines, config=sync_config(cfg))
-        first = first_version(sync.engine_versions(), given=cfg.first_version, reset=cfg.reset_versions)
+        engines, names, sync, first = engines_and_sync(cfg, launcher, handles, steps)
         for v in range(first, first + cfg.versions):
             steps.step(f"version {v}: AdamW step on {trainer.world} Megatron ranks, push")
             loss = ray.get([r.__ray_call__.remote(_train_step) for r in ranks], timeout=cfg.timeout_s)[0]
@@ -166,10 +157,6 @@ def _run(cfg: RunConfig, kind: str, losses: list, moved: list, launcher) -> list
                 moved.append((oracles[-1] - oracles[-2]).abs().max().item())
             print_row(rows[-1])
         sync.close()
-    finally:
-        steps.close()
-        ray.shutdown()
-        shutil.rmtree(tmp, ignore_errors=True)
     return rows
 
 

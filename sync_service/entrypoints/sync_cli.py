@@ -19,7 +19,9 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -204,6 +206,38 @@ def sync_config(cfg: RunConfig):
     return SyncConfig(transport=cfg.transport, bucket_bytes=cfg.bucket_bytes, timeout_s=cfg.timeout_s,
                       check_finite=cfg.check_finite, secret=cfg.secret, metrics_port=cfg.metrics_port,
                       accumulate_dtype=cfg.accumulate_dtype, reset_versions=cfg.reset_versions)
+
+
+@contextmanager
+def local_session(tmp: Path, steps: Steps, label: str = "starting a local Ray (2 CPUs)") -> Iterator[None]:
+    """One command's local Ray: ``label`` as a progress step, Ray started with its temp dir under ``tmp``
+    (``start_ray``); on exit, error or not, the progress closed, Ray shut down and ``tmp`` removed."""
+    import ray
+
+    try:
+        steps.step(label)
+        start_ray(ray_temp(tmp))
+        yield
+    finally:
+        steps.close()
+        ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def engines_and_sync(cfg: RunConfig, launcher, trainers: list, steps: Steps):
+    """``cfg.engines`` engines from ``launcher`` (a ``protocols.endpoints.Launcher``) on ``cfg.base``, and a
+    ``WeightSync`` of ``trainers`` (handles, rank order) into them, its plan validated: (engines, engine names,
+    sync, first version to push: ``first_version`` of what they serve). Raises what ``WeightSync`` raises."""
+    import ray
+
+    from sync_service.api import WeightSync
+
+    steps.step(f"starting {cfg.engines} engine(s)")
+    engines = launcher.start_engines(cfg.base, cfg.engines, timeout_s=cfg.timeout_s)
+    names = ray.get([e.engine_name.remote() for e in engines], timeout=cfg.timeout_s)
+    steps.step("planning, validating the plan against every engine")
+    sync = WeightSync(trainers=trainers, engines=engines, config=sync_config(cfg))
+    return engines, names, sync, first_version(sync.engine_versions(), given=cfg.first_version, reset=cfg.reset_versions)
 
 
 def first_version(served: dict[str, int | None], *, given: int | None = None, reset: bool = False) -> int:
