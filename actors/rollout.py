@@ -199,17 +199,20 @@ class RolloutEngineCore:
 
     def receive(self, owner: str, timeout_s: float, reset_versions: bool = False) -> ReceiveReport:
         """Receive one whole sync over ``owner``'s channel: staged, verified, acked, not committed. The report
-        carries the engine's update token (``commit`` / ``abort`` act with it). ``reset_versions``: the
+        carries the engine's update token (``commit`` / ``abort`` act with it) and the served check's findings
+        (``served_findings``; ``None`` when off). ``reset_versions``: the
         engine takes a version at or below the one it serves (``engines.commit_gate``)."""
         if owner not in self._channels:
             raise RuntimeError(f"{self.name}: receive before open_transport (channel {owner!r})")
         transport, receiver, factors = self._channels[owner]
         s = receiver.receive_sync(transport, timeout_s=timeout_s, commit=False, reset_versions=reset_versions)
         self._staged[owner] = s.update_id
+        from sync_service.engines.served_check import findings
+
         return ReceiveReport(engine=self.name, version=s.version, buckets=s.buckets, entries=s.entries,
                              payload_bytes=s.payload_bytes, wait_s=s.wait_s, verify_s=s.verify_s, apply_s=s.apply_s,
                              finish_s=s.finish_s, total_s=s.total_s, rx_merge_s=factors.merge_s if factors else 0.0,
-                             update_id=s.update_id)
+                             update_id=s.update_id, served_findings=findings(self.engine, owner))
 
     def commit(self, owner: str, version: int, update_id: str | None = None) -> None:
         """Serve the version staged by ``owner``'s last receive (``update_id``: its token, from the

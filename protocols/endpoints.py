@@ -111,8 +111,7 @@ class ExportRequest:
 # -- reports ---------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class SnapshotReport:
-    """``version`` is frozen on a trainer. ``changed``: tensor names a delta needs; ``None``: all
-    (the base changed, or the first snapshot)."""
+    """``version`` is frozen on a trainer. ``changed``: the names a delta needs; ``None``: all (base changed, first)."""
 
     version: int
     changed: frozenset[str] | None
@@ -123,10 +122,10 @@ class SendReport:
     """One trainer's send of one version: seconds per stage and sizes.
 
     Attributes:
-        rank: the trainer's sender index. gather_s: adapter refresh / factor all-gather before the
-        first bucket. merge_s: merging into bucket views. pack_s: checksums + headers (merge excluded).
-        transfer_s: inside the transport's send. ack_wait_s: after the last frame, until every engine
-        acked. total_s: the whole send. payload_bytes / buckets / entries: what it sent.
+        rank: the trainer's sender index. gather_s: adapter refresh / factor all-gather before the first bucket.
+        merge_s: merging into bucket views. pack_s: checksums + headers (merge excluded). transfer_s: inside the
+        transport's send. ack_wait_s: after the last frame, until every engine acked. total_s: the whole send.
+        payload_bytes / buckets / entries: what it sent.
     """
 
     rank: int
@@ -146,13 +145,14 @@ class ReceiveReport:
     """One engine received one whole version: staged, verified and acked, not committed.
 
     Attributes:
-        engine: its name. version: the received version. buckets / entries / payload_bytes: what
-        arrived. wait_s: blocked on the transport. verify_s: checksums and header checks. apply_s:
-        copies into staging. finish_s: post-load processing (in factor modes also the wait for the
-        receiver's last merges). total_s: the whole receive. rx_merge_s: wall seconds during which the
-        receiver merged factor-mode targets (overlapping the stream; 0 in merged mode). All seconds.
-        update_id: the engine's update token (``commit`` / ``abort`` act with it; ``""``: an engine that
-        hands out none).
+        engine: its name. version: the received version. buckets / entries / payload_bytes: what arrived. wait_s:
+        blocked on the transport. verify_s: checksums and header checks. apply_s: copies into staging. finish_s:
+        post-load processing (in factor modes also the wait for the receiver's last merges). total_s: the whole
+        receive. rx_merge_s: wall seconds during which the receiver merged factor-mode targets (overlapping the stream;
+        0 in merged mode). All seconds. update_id: the engine's update token (``commit`` / ``abort`` act with it;
+        ``""``: an engine that hands out none). served_findings: problems its served check
+        (``SyncConfig.check_served``) found in this version (0: clean; ``None``: off, or not reported); under ``"log"``
+        staged anyway.
     """
 
     engine: str
@@ -167,6 +167,7 @@ class ReceiveReport:
     total_s: float
     rx_merge_s: float = 0.0
     update_id: str = ""
+    served_findings: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -367,8 +368,7 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 def clean_error_text(text: str, limit: int = 1000) -> str:
-    """The last meaningful line of an error text: colour codes, traceback lines and Ray's wrapper
-    lines removed, at most ``limit`` characters."""
+    """The last meaningful line of an error text (no colour codes, traceback, Ray wrappers); ``limit`` chars at most."""
     lines = [ln.strip() for ln in _ANSI.sub("", text).splitlines() if ln.strip()]
     lines = [ln for ln in lines if not ln.startswith(("Traceback", "File ", "^", "~", "ray::"))]
     return lines[-1][:limit] if lines else ""

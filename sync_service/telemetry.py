@@ -4,18 +4,24 @@ Fed from each push's ``SyncMetrics`` (or its error) when the push finishes; engi
 staleness are read from the coordinator's version board at scrape time. One registry per
 ``WeightSync`` (two in one process never collide). Names (``weightsync_`` prefix):
 
-==========================================  =========  ==================================================
-``weightsync_syncs_total{mode,kind}``        counter    pushes committed; mode: ``SyncConfig.mode``
-                                                        (merged | factors | auto), kind: full | delta
-``weightsync_bytes_total{mode,kind}``        counter    payload bytes sent (``SyncMetrics.bytes``)
-``weightsync_sync_seconds{stage}``           histogram  seconds per push and stage: gather, merge, pack,
-                                                        transfer, apply, commit (``SyncMetrics.*_s``) and
-                                                        total (``SyncMetrics.seconds``)
-``weightsync_failures_total{reason}``        counter    failed pushes; reason: the error's type name
-``weightsync_latest_version``                gauge      last version pushed (``WeightSync.latest_version``)
-``weightsync_engine_weight_version{engine}`` gauge      version each member engine committed
-``weightsync_engine_staleness{engine}``      gauge      latest pushed - the engine's committed version
-==========================================  =========  ==================================================
+==================================================  =========  ==================================================
+``weightsync_syncs_total{mode,kind}``               counter    pushes committed; mode: ``SyncConfig.mode``
+                                                               (merged | factors | auto), kind: full | delta
+``weightsync_bytes_total{mode,kind}``               counter    payload bytes sent (``SyncMetrics.bytes``)
+``weightsync_sync_seconds{stage}``                  histogram  seconds per push and stage: gather, merge, pack,
+                                                               transfer, apply, commit (``SyncMetrics.*_s``) and
+                                                               total (``SyncMetrics.seconds``)
+``weightsync_failures_total{reason}``               counter    failed pushes; reason: the error's type name
+``weightsync_served_check_findings_total{engine}``  counter    problems the engine's served check found (each a
+                                                               tensor and a cause; ``check_served="log"``: the
+                                                               version committed anyway, the engine logged a
+                                                               warning) — ``EngineResult.served_findings`` of
+                                                               every push, failed ones too; 0 added per clean
+                                                               version; no sample for an engine whose check is off
+``weightsync_latest_version``                       gauge      last version pushed (``WeightSync.latest_version``)
+``weightsync_engine_weight_version{engine}``        gauge      version each member engine committed
+``weightsync_engine_staleness{engine}``             gauge      latest pushed - the engine's committed version
+==================================================  =========  ==================================================
 
 Engines that have not committed any version yet have no version and staleness sample.
 """
@@ -82,21 +88,34 @@ class SyncTelemetry:
         self._seconds = Histogram("weightsync_sync_seconds", "Seconds of a push, by stage", ["stage"],
                                   buckets=SECONDS_BUCKETS, registry=self.registry)
         self._failures = Counter("weightsync_failures", "Failed pushes, by reason", ["reason"], registry=self.registry)
+        self._findings = Counter("weightsync_served_check_findings", "Problems the engine's served check found",
+                                 ["engine"], registry=self.registry)
         self.registry.register(_VersionCollector(versions, latest))
         self._server = None
         self._lock = threading.Lock()
 
     def record(self, metrics: SyncMetrics) -> None:
-        """Count one committed push: its bytes and every stage's seconds."""
+        """Count one committed push: its bytes, every stage's seconds and its engines' served-check findings."""
         kind = "full" if metrics.full else "delta"
         self._syncs.labels(metrics.mode, kind).inc()
         self._bytes.labels(metrics.mode, kind).inc(metrics.bytes)
         for stage, field_name in STAGES.items():
             self._seconds.labels(stage).observe(getattr(metrics, field_name))
+        self._count_findings(metrics)
 
     def record_failure(self, error: BaseException) -> None:
-        """Count one failed push under ``reason`` = the error's type name (``SyncError``, ``TimeoutError``…)."""
+        """Count one failed push under ``reason`` = the error's type name (``SyncError``, ``TimeoutError``…), and
+        the served check's findings its engines reported (``SyncError.metrics``)."""
         self._failures.labels(type(error).__name__).inc()
+        metrics = getattr(error, "metrics", None)
+        if isinstance(metrics, SyncMetrics):
+            self._count_findings(metrics)
+
+    def _count_findings(self, metrics: SyncMetrics) -> None:
+        """Add each engine's served-check findings (``None``: its check is off, no sample)."""
+        for engine in metrics.engines:
+            if engine.served_findings is not None:
+                self._findings.labels(engine.engine).inc(engine.served_findings)
 
     def serve(self, port: int = 0, host: str = "127.0.0.1") -> int:
         """Serve ``/metrics`` on ``host:port`` in a daemon thread (0: a free port); returns the bound

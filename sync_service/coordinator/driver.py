@@ -373,7 +373,8 @@ class Coordinator:
 def _result(name: str, committed: bool, error: str | None, report) -> EngineResult:
     return EngineResult(engine=name, committed=committed, error=error, apply_s=report.apply_s if report else 0.0,
                         payload_bytes=report.payload_bytes if report else 0,
-                        rx_merge_s=report.rx_merge_s if report else 0.0)
+                        rx_merge_s=report.rx_merge_s if report else 0.0,
+                        served_findings=getattr(report, "served_findings", None))
 
 
 def _left(lost: list[EngineResult]) -> str:

@@ -19,6 +19,8 @@ class EngineResult:
         error: why the sync failed on it (its own error, or ``"sync aborted"`` when another member
             failed); ``None`` when committed. apply_s: seconds in ``EngineAdapter.apply``.
         payload_bytes: bytes it received. rx_merge_s: wall seconds it merged factor-mode targets.
+        served_findings: problems its served check found in the version (``ReceiveReport.served_findings``:
+            0 clean; under ``check_served="log"`` it committed anyway); ``None``: the check is off, or no report.
     """
 
     engine: str
@@ -27,6 +29,7 @@ class EngineResult:
     apply_s: float
     payload_bytes: int
     rx_merge_s: float = 0.0
+    served_findings: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,8 +35,9 @@ updates its own ``AppliedDigests`` began (matched by update token), so a second 
 the first's updates with digests it never saw nor removes the first's check.
 
 Modes: ``"off"`` (not installed), ``"log"`` (a warning per refused version, counted in ``ServedCheck.refusals``;
-the version commits), ``"enforce"`` (``CommitRefused``: the engine aborts its update, keeps serving the
-previous version, and the push aborts the version on every engine).
+the version commits; the number of findings goes back in the engine's receive report, ``findings``, to the push's
+``SyncMetrics`` and ``weightsync_served_check_findings_total``), ``"enforce"`` (``CommitRefused``: the engine aborts
+its update, keeps serving the previous version, and the push aborts the version on every engine).
 
 Engines: transformers and memory get all three here (``staged_buffer``: the staging in this process). vLLM (in
 process, and a server's worker) stages in its worker: check 1 is counted here, in front of the engine (the
@@ -62,7 +63,7 @@ from sync_service.engines.commit_gate import CommitRefused, StagedUpdate
 from sync_service.engines.landed import Landed, finite
 from sync_service.streaming.views import as_byte_tensor
 
-__all__ = ["CHECK_NAME", "MODES", "AppliedDigests", "ServedCheck", "ServedChecks", "finite", "install"]
+__all__ = ["CHECK_NAME", "MODES", "AppliedDigests", "ServedCheck", "ServedChecks", "findings", "finite", "install"]
 
 MODES = ("off", "log", "enforce")
 CHECK_NAME = "served"
@@ -204,6 +205,8 @@ class ServedCheck:
         self.refusals = 0
         """Versions the check found wrong (under ``log`` they committed anyway)."""
         self.checked = 0
+        self.last: tuple[object, int] | None = None
+        """``(update token, findings)`` of the update judged last: the problems found (0: clean)."""
 
     def __call__(self, update: StagedUpdate) -> None:
         try:
@@ -213,6 +216,7 @@ class ServedCheck:
                 raise
             problems = [f"the check failed: {type(exc).__name__}: {exc}"]
         self.checked += 1
+        self.last = (update.update_id, len(problems))
         if not problems:
             return
         self.refusals += 1
@@ -260,6 +264,21 @@ class ServedChecks:
             if check.digests.update_id is not None and check.digests.update_id == update.update_id:
                 check(update)
                 return
+
+
+def findings(engine: object, owner: str = "") -> int | None:
+    """The served check's findings (problems, each a tensor and a cause) for the update ``owner``'s check judged
+    last, if that is the update its ``AppliedDigests`` began last (the one just received): 0 when clean; ``None``
+    when ``owner`` has no check installed (``"off"``, an engine without a gate) or it has not judged that update.
+    Under ``"log"`` a version with findings commits; the receive report carries the count
+    (``ReceiveReport.served_findings``) to the push's ``SyncMetrics`` and the Prometheus metrics."""
+    gate = getattr(engine, "commit_gate", None)
+    checks = None if gate is None else gate.check(CHECK_NAME)
+    check = checks.by_owner.get(owner) if isinstance(checks, ServedChecks) else None
+    if check is None or check.last is None or check.digests.update_id is None:
+        return None
+    token, count = check.last
+    return count if token == check.digests.update_id else None
 
 
 def install(engine: object, mode: str, name: str, owner: str = "") -> object:

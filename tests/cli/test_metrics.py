@@ -114,3 +114,47 @@ def test_taken_port_fails_serve_and_close_releases_it():
     with socket.socket() as sock:  # released: the port can be bound again
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", port))
+
+
+def _set_env(engine, name: str, value: str) -> None:
+    """In an engine actor's process (``__ray_call__``): set one environment variable."""
+    import os
+
+    os.environ[name] = value
+
+
+def test_served_check_findings_under_log(ray_session, tmp_path):
+    """``check_served="log"``: a byte the engine's own copy flips (the fault hook, ``engines.faults``, armed in one
+    engine's process only) is a finding of that engine's served check — the version commits on both engines, the
+    engine's ``ReceiveReport`` carries 1 into ``SyncMetrics.engines`` and the scraped
+    ``weightsync_served_check_findings_total`` counts 1 for it and 0 for the clean engine; a clean push adds 0."""
+    from sync_service.engines import faults
+    from sync_service.synthetic import make_adapter, make_base
+
+    base = make_base("qwen3_moe", tmp_path / "base", hidden=32, intermediate=16, vocab_size=64)
+    adapter = make_adapter("qwen3_moe", base, tmp_path / "lora", r=2, seed=1, kind="target_parameters")
+    trainers = start_trainers(base, adapter, ep=1, timeout_s=TIMEOUT_S)
+    engines = start_engines(base, 2, timeout_s=TIMEOUT_S, prefix="s")
+    path = tmp_path / "faults.json"
+    ray.get(engines[1].__ray_call__.remote(_set_env, faults.ENV, str(path)), timeout=TIMEOUT_S)
+    sync = WeightSync(trainers=trainers, engines=engines, config=SyncConfig(
+        transport="shm", timeout_s=TIMEOUT_S, check_served="log", delta=False, metrics_port=0))
+    key = "weightsync_served_check_findings_total"
+    try:
+        clean = sync.push(1)
+        names = [e.engine for e in clean.engines]
+        assert [e.served_findings for e in clean.engines] == [0, 0]
+        assert [scrape(sync.metrics_port)[(key, (("engine", n),))] for n in names] == [0, 0]
+
+        faults.arm(path, {"corrupt": ["model.norm.weight"]})
+        found = sync.push(2)
+        faults.arm(path, None)
+        assert [e.committed for e in found.engines] == [True, True]
+        assert ray.get([e.weight_version.remote() for e in engines], timeout=TIMEOUT_S) == [2, 2]
+        assert [e.served_findings for e in found.engines] == [0, 1]
+        assert [scrape(sync.metrics_port)[(key, (("engine", n),))] for n in names] == [0, 1]
+
+        assert [e.served_findings for e in sync.push(3).engines] == [0, 0]  # a clean push adds 0
+        assert [scrape(sync.metrics_port)[(key, (("engine", n),))] for n in names] == [0, 1]
+    finally:
+        sync.close()

@@ -15,7 +15,7 @@ from sync_service.engines import faults
 from sync_service.engines.commit_gate import CommitRefused
 from sync_service.engines.hf import HFEngine
 from sync_service.engines.memory import MemoryEngine
-from sync_service.engines.served_check import AppliedDigests, install
+from sync_service.engines.served_check import AppliedDigests, findings, install
 from tests.engines.test_hf_engine import tiny_model
 
 
@@ -102,7 +102,12 @@ def test_log_commits_with_a_warning_and_off_installs_nothing(caplog, fault):
     assert engine.weight_version() == 2 and f"{name}: box" in caplog.text and "committing anyway" in caplog.text
     check = engine.commit_gate.check("served").by_owner[""]
     assert (check.checked, check.refusals) == (2, 1)
+    assert findings(engine) == 1 and findings(engine, "another owner") is None  # the receive report's count
+    fault(None)
+    _push(updater, 3, _state(engine, 3))
+    assert findings(engine) == 0
     assert install(engine, "off", "e0") is engine and engine.commit_gate.check_names() == []
+    assert findings(engine) is None
     with pytest.raises(ValueError, match="check_served='strict'"):
         install(engine, "strict", "e0")
 

@@ -31,7 +31,7 @@ from vllm.distributed.weight_transfer.base import (
 from protocols.wire import SyncPlan
 from protocols.wire_check import decode
 from sync_service.coordinator.planning import validate_plan
-from sync_service.engines.served_check import install
+from sync_service.engines.served_check import findings, install
 from sync_service.engines.vllm_server.staging import fused_worker_engine
 from sync_service.engines.vllm_server.wire import InitInfo, b64, command_op, served_request, verify_command
 from sync_service.streaming.receiver import ApplyStats, BucketReceiver
@@ -73,10 +73,10 @@ def _command_fields(op: str, body: str) -> dict:
     return fields
 
 
-def _stats(s: ApplyStats) -> dict:
+def _stats(s: ApplyStats, served_findings: int | None) -> dict:
     return {"version": s.version, "buckets": s.buckets, "entries": s.entries, "payload_bytes": s.payload_bytes,
             "wait_s": s.wait_s, "verify_s": s.verify_s, "apply_s": s.apply_s, "finish_s": s.finish_s,
-            "modules": s.modules, "total_s": s.total_s, "update_id": s.update_id}
+            "modules": s.modules, "total_s": s.total_s, "update_id": s.update_id, "served_findings": served_findings}
 
 
 class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdateInfo]):
@@ -94,6 +94,7 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         self._secret: bytes | None = None
         self._nonce = 0
         self._received: ApplyStats | None = None  # received and acked, not yet committed
+        self._findings: int | None = None  # the served check's findings in it (engines.served_check.findings)
         self._error: str | None = None
 
     # -- vLLM's weight-transfer API ------------------------------------------------------------
@@ -121,7 +122,7 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
     def start_weight_update(self) -> None:
         if self._receiver is None:
             raise RuntimeError("start_weight_update before /init_weight_transfer_engine opened a channel")
-        self._received, self._error = None, None
+        self._received, self._error, self._findings = None, None, None
 
     def update_weights(self, update_info: dict) -> None:
         """vLLM's ``update_weights`` without its device synchronisation on CPU (no accelerator)."""
@@ -135,6 +136,7 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         try:
             self._received = self._receiver.receive_sync(self._transport, timeout_s=float(update_info.timeout_s),
                                                          reset_versions=bool(update_info.reset_versions))
+            self._findings = findings(self._engine())
         except BaseException as exc:
             self._error = f"{type(exc).__name__}: {exc}"
             raise
@@ -153,7 +155,8 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
 
     # -- weightsync's commands (``/collective_rpc``) -----------------------------------------
     def __call__(self, op: str, body: str = "") -> dict | list:
-        """``table``: ``[[name, dtype, shape], ...]``; ``status``: ``{"version", "received", "error"}``;
+        """``table``: ``[[name, dtype, shape], ...]``; ``status``: ``{"version", "received", "error"}`` (``received``:
+        the uncommitted sync's stats, ``served_findings`` among them);
         ``served`` (body ``{"names": [...] | null, "values": bool}``): ``{"version", "rows": [[name, dtype, shape,
         xxh3_64, source, base64 bytes | null], ...]}``; ``abort`` (authenticated): drop the received sync, reload
         the served version.
@@ -165,7 +168,7 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         if op == "table":
             return [[m.name, m.dtype, list(m.shape)] for m in self._engine().param_metas()]
         if op == "status":
-            received = None if self._received is None else _stats(self._received)
+            received = None if self._received is None else _stats(self._received, self._findings)
             return {"version": self._engine().weight_version(), "received": received, "error": self._error}
         if op == "served":
             names, values = served_request(body)

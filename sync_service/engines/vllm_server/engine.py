@@ -143,7 +143,8 @@ class VLLMServerEngine:
 
     def receive(self, timeout_s: float, reset_versions: bool = False) -> dict:
         """Pause, then receive one whole sync into the server (staged, reloaded, acked; not committed). The
-        report carries the server's update token (``update_id``: ``commit`` / ``abort`` act with it);
+        report carries the server's update token (``update_id``: ``commit`` / ``abort`` act with it) and its
+        served check's findings (``served_findings``: ``ReceiveReport``'s; ``None`` when off or not reported);
         ``reset_versions``: the server takes a version at or below the one it serves (``engines.commit_gate``).
 
         Raises:
@@ -166,8 +167,11 @@ class VLLMServerEngine:
             raise
         received = self.status().get("received") or {}
         self._update_id = str(received.get("update_id") or "")
-        return {"engine": self.name, "update_id": self._update_id, **{k: received.get(k, 0) for k in (
-            "version", "buckets", "entries", "payload_bytes", "wait_s", "verify_s", "apply_s", "finish_s", "total_s")}}
+        findings = received.get("served_findings")  # absent from an older backend: not reported
+        return {"engine": self.name, "update_id": self._update_id,
+                "served_findings": findings if type(findings) is int else None, **{k: received.get(k, 0) for k in (
+                    "version", "buckets", "entries", "payload_bytes", "wait_s", "verify_s", "apply_s", "finish_s",
+                    "total_s")}}
 
     def commit(self, version: int, update_id: str | None = None) -> None:
         """Commit the update of ``update_id`` (``None``: the one this handle's last ``receive`` staged) as
