@@ -27,10 +27,9 @@ from sync_service.live.attach import AttachError
 from sync_service.live.endpoint import TrainerEndpoint
 from sync_service.live.handle import EndpointHandle, register
 from sync_service.megatron.deviations import expert_fc2_rule
-from sync_service.merge.errors import MergeError
 from sync_service.sharding.replicas import ReplicasDisagreeError
 
-__all__ = ["attach_megatron", "build_megatron_endpoint", "MegatronEndpoint"]
+__all__ = ["attach_megatron", "build_megatron_endpoint", "MegatronEndpoint", "weightsync_group"]
 
 _ERROR_BYTES = 600
 
@@ -73,7 +72,8 @@ def attach_megatron(model_chunks, *, hf_config, lora_alpha: float | None = None,
 
     if not dist.is_initialized():
         raise RuntimeError("attach_megatron: torch.distributed is not initialized (Megatron's ranks initialize it)")
-    group = group if group is not None else dist.new_group(backend="gloo")
+    _check_timeout(timeout_s)
+    group = group if group is not None else weightsync_group(timeout_s)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     endpoint = build_megatron_endpoint(model_chunks, hf_config=hf_config, lora_alpha=lora_alpha, group=group,
                                        rank=rank, world=world, timeout_s=timeout_s, before_send=before_send)
@@ -93,9 +93,7 @@ def build_megatron_endpoint(model_chunks, *, hf_config, lora_alpha=None, group, 
 
     from sync_service.megatron.state import MegatronState
 
-    if not 0 < timeout_s <= MAX_TIMEOUT_S:
-        raise AttachError(f"attach_megatron: timeout_s={timeout_s!r} must be a finite number of seconds > 0 and "
-                          f"<= {MAX_TIMEOUT_S:.0f}")
+    _check_timeout(timeout_s)
     error, state, digest = None, None, 0
     try:
         config = _config(hf_config)
@@ -103,7 +101,7 @@ def build_megatron_endpoint(model_chunks, *, hf_config, lora_alpha=None, group, 
         state = MegatronState(model_chunks, config=config, alpha=lora_alpha, group=group, rank=rank, world=world,
                               timeout_s=timeout_s, fc2_rule=rule)
         digest = _digest(config, rule, state)
-    except (ValueError, TypeError, OSError, KeyError, MergeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - whatever one rank hits fails every rank now, not after timeout_s
         error = exc
     _agree(rank, world, group, error, digest, timeout_s)
     try:
@@ -111,6 +109,28 @@ def build_megatron_endpoint(model_chunks, *, hf_config, lora_alpha=None, group, 
     except (ReplicasDisagreeError, ValueError) as exc:  # raised alike on every rank
         raise AttachError(f"attach_megatron: {exc}; no rank attached") from exc
     return MegatronEndpoint(state, rank=rank, before_send=before_send)
+
+
+def weightsync_group(timeout_s: float):
+    """A new gloo group over every rank of the job, for attach's collectives. Collective; gloo connects every rank
+    at creation, so a rank that never calls attach is waited for ``timeout_s`` (torch's default: 30 minutes).
+
+    Raises:
+        AttachError: not every rank created it within ``timeout_s``."""
+    import torch.distributed as dist
+
+    try:
+        return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    except (RuntimeError, dist.DistError) as exc:  # DistStoreError: a rank did not create its end in time
+        raise AttachError(f"attach_megatron: rank {dist.get_rank()}: not every rank called attach_megatron within "
+                          f"timeout_s={timeout_s:g} ({type(exc).__name__}); call it on every rank of the job") from None
+
+
+def _check_timeout(timeout_s) -> None:
+    """Raises AttachError: ``timeout_s`` is not a number of seconds in (0, ``MAX_TIMEOUT_S``]."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= MAX_TIMEOUT_S:
+        raise AttachError(f"attach_megatron: timeout_s={timeout_s!r} must be a finite number of seconds > 0 and "
+                          f"<= {MAX_TIMEOUT_S:.0f}")
 
 
 def _config(hf_config) -> dict:
@@ -152,7 +172,12 @@ def _agree(rank: int, world: int, group, error, digest: int, timeout_s: float) -
         import torch.distributed as dist
 
         rows = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(rows, mine, group=group, async_op=True).wait(timedelta(seconds=timeout_s))
+        try:
+            dist.all_gather(rows, mine, group=group, async_op=True).wait(timedelta(seconds=timeout_s))
+        except (RuntimeError, dist.DistError) as exc:  # a rank died or failed outside the checks before agreeing
+            raise AttachError(f"attach_megatron: rank {rank}: not every rank reached attach's agreement within "
+                              f"timeout_s={timeout_s:g} ({type(exc).__name__}: {' '.join(str(exc).split())[:160]}); "
+                              f"see the other ranks' logs; no rank attached") from error
     failed = [k for k, row in enumerate(rows) if row[0]]
     if failed:
         first = rows[failed[0]]

@@ -58,7 +58,8 @@ def mirror_groups(megatron_groups: list, *, group, world: int, timeout_s: float)
         distinct = sorted({tuple(int(v) for v in row if v >= 0) for row in rows})
         made = None
         for members in distinct:
-            g = dist.new_group(list(members), backend="gloo") if len(members) > 1 else None
+            g = (dist.new_group(list(members), backend="gloo", timeout=timedelta(seconds=timeout_s))
+                 if len(members) > 1 else None)
             if dist.get_rank() in members:
                 made = g
         out.append(made)
