@@ -10,7 +10,7 @@ model over ``sync`` (one Ray session, the module's engine, the module's trainers
 
 Each push raises ``SyncError`` naming the tensor; the engine still serves the previous version — its version, its
 read back (every tensor's xxh3_64) and its greedy tokens equal those before the faults; then a clean push of the
-same version commits.
+same version commits with no finding. ``logs_a_finding``: the corrupt fault under ``"log"`` commits, one finding.
 """
 
 from __future__ import annotations
@@ -30,6 +30,25 @@ FAULTS = (
     ("drop", DROP, r"box .*not applied"),
     ("nan", NAN, r"holds NaN/Inf"),
 )
+
+
+def logs_a_finding(trainers: Sequence, engine, arm: Callable[[dict | None], None], *, version: int,
+                   timeout_s: float = 120) -> None:
+    """Under ``check_served="log"`` a byte corrupted in the engine's apply (``CORRUPT``) is a finding, not a
+    refusal: ``version`` commits and the engine's report carries 1 into ``SyncMetrics.engines[].served_findings``
+    (the Prometheus ``weightsync_served_check_findings_total``); a full push over a new channel of the same actors."""
+    from sync_service.api import SyncConfig, WeightSync
+
+    sync = WeightSync(trainers=trainers, engines=[engine], config=SyncConfig(
+        transport="shm", timeout_s=timeout_s, check_served="log", delta=False))
+    arm({"corrupt": [CORRUPT]})
+    try:
+        (got,) = sync.push(version).engines
+    finally:
+        arm(None)
+        sync.close()
+    assert got.committed and got.served_findings == 1, got
+    assert ray.get(engine.weight_version.remote(), timeout=timeout_s) == version
 
 
 def refuses_faults(sync, engine, trainers: Sequence, arm: Callable[[dict | None], None], *, version: int,
@@ -63,5 +82,6 @@ def refuses_faults(sync, engine, trainers: Sequence, arm: Callable[[dict | None]
         assert after.version == version - 1 and after.digests() == served.digests(), f"{kind}: the served weights changed"
         got = [ray.get(engine.generate.remote(list(p), max_new_tokens), timeout=timeout_s)[0] for p in prompts]
         assert got == tokens, f"{kind}: the served tokens changed"
-    assert sync.push(version).engines[0].committed  # nothing left staged: the clean version commits
+    clean = sync.push(version).engines[0]  # nothing left staged: the clean version commits
+    assert clean.committed and clean.served_findings == 0  # the check ran on it and found nothing (None: not run)
     assert ray.get(engine.served_weights.remote(), timeout=timeout_s).digests() != served.digests()

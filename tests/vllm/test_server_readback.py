@@ -6,7 +6,8 @@ checkpoint-format copies behind the tensors its CPU build keeps opaque (``checkp
 of the same-named tensor of PEFT's merged checkpoint, and the ``--digests`` writer takes the server's read back.
 Its full-vocabulary prompt logprobs (``/v1/completions``, ``prompt_logprobs=-1``) give the version's ``policy_kl``.
 Then the served check's faults under ``enforce`` (``served_faults``: a byte corrupted in the worker's apply, a
-routed expert dropped there, a NaN sent), each refused naming the tensor with the version before still served.
+routed expert dropped there, a NaN sent), each refused naming the tensor with the version before still served;
+under ``log`` the corrupted byte commits and the server's worker reports 1 finding (its backend's ``status``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def test_server_reads_back_pefts_merge_bitwise(tmp_path: Path, ray_local, vllm_s
     from sync_service.synthetic import make_adapter
     from sync_service.verify.peft_oracle import save_peft_merged
     from sync_service.verify.policy_kl import policy_check
-    from tests.vllm.served_faults import refuses_faults
+    from tests.vllm.served_faults import logs_a_finding, refuses_faults
 
     adapter = make_adapter("qwen3_moe", vllm_server.base, tmp_path / "lora", kind="target_parameters", r=4,
                            lora_alpha=16, init_scale=0.3, seed=3)
@@ -79,6 +80,7 @@ def test_server_reads_back_pefts_merge_bitwise(tmp_path: Path, ray_local, vllm_s
         refuses_faults(sync, engine, trainers, vllm_server.arm_fault, version=v + 1, prompts=PROMPTS,
                        max_new_tokens=MAX_NEW_TOKENS, step=1)
         sync.close()
+        logs_a_finding(trainers, engine, vllm_server.arm_fault, version=vllm_server.next_version())
     finally:
         for a in (*trainers, engine):
             ray.kill(a)

@@ -8,7 +8,8 @@ so a missed sync fails. The engine's read back (vLLM's tensors after post-load p
 where it keeps one opaque) equals the fresh engine's on each version's merge, the ``--digests`` writer takes it,
 and its full-vocabulary prompt logprobs give the version's ``policy_kl``. Then the served check's faults under
 ``enforce`` (``served_faults``: a byte corrupted in the worker's apply, a routed expert dropped there, a NaN sent),
-each refused naming the tensor with the version before still served.
+each refused naming the tensor with the version before still served; under ``log`` the corrupted byte commits and
+the engine reports 1 finding (``SyncMetrics.engines[].served_findings``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def test_two_ep_trainers_to_one_vllm_engine_two_versions(tmp_path: Path) -> None
     from actors.launch import start_engines, start_trainers
     from sync_service.engines import faults
     from sync_service.synthetic import make_adapter, make_base
-    from tests.vllm.served_faults import refuses_faults
+    from tests.vllm.served_faults import logs_a_finding, refuses_faults
 
     base = make_base("qwen3_moe", tmp_path / "base", hidden=64, intermediate=32, num_experts=4, vocab_size=128, scale=0.1)
     adapter = make_adapter("qwen3_moe", base, tmp_path / "lora", kind="target_parameters", r=4, lora_alpha=16,
@@ -75,6 +76,7 @@ def test_two_ep_trainers_to_one_vllm_engine_two_versions(tmp_path: Path) -> None
         refuses_faults(sync, engine, trainers, lambda spec: faults.arm(fault_file, spec), version=VERSIONS,
                        prompts=PROMPTS, max_new_tokens=MAX_NEW_TOKENS, step=VERSIONS)
         sync.close()
+        logs_a_finding(trainers, engine, lambda spec: faults.arm(fault_file, spec), version=VERSIONS + 1)
 
 
 def _check_read_back(engine, fresh_served: dict, v: int, digests_path: Path, write_digests) -> None:
