@@ -155,7 +155,8 @@ def test_enforce_aborts_the_version_on_every_engine_through_ray(tmp_path):
             before = ray.get([e.served_weights.remote() for e in engines], timeout=60)
             version = max(w.version or 0 for w in before) + 1
             if committed:
-                sync.push(version)
+                found = [e.served_findings for e in sync.push(version).engines]  # under log: committed, reported
+                assert found == ([1, 1] if nan else [0, 0]), found
                 assert ray.get([e.weight_version.remote() for e in engines], timeout=60) == [version] * 2
             else:
                 with pytest.raises(SyncError, match=f"refused by the served check: .*{nan}: holds NaN/Inf"):
