@@ -185,16 +185,19 @@ def hf_dirs(ckpt: str | Path, hf_dir: str | Path, tmp: str | Path, *, alpha: flo
     lora_out: dict[str, torch.Tensor] = {}
     dims: set[int] = set()
     for key, row, hf, tensor in _layer_tensors(state):
+        try:
+            parts = () if key.endswith(_ADAPTER_IN) else split(row, tensor, **split_geometry)
+        except ValueError as exc:  # linear_qkv rows that the config's geometry does not split
+            raise MergeError(f"{ckpt}: {key} {list(tensor.shape)}: {exc}; --hf-config {hf_dir} is not the HF model the "
+                             f"checkpoint was converted from") from None
         if key.endswith(_ADAPTER_IN):
             dims.add(tensor.shape[0])
             for name in hf:
                 lora_in[name] = tensor
         elif key.endswith(_ADAPTER_OUT):
-            for name, part in zip(hf, split(row, tensor, **split_geometry)):
-                lora_out[name] = part
+            lora_out.update(zip(hf, parts))
         else:
-            for name, part in zip(hf, split(row, tensor, **split_geometry)):
-                base[name] = part
+            base.update(zip(hf, parts))
     if not lora_in:
         raise MergeError(f"{ckpt}: no Megatron-Bridge LoRA (no '*{_ADAPTER_IN}' key); nothing to merge")
     if len(dims) != 1 or set(lora_in) != set(lora_out):

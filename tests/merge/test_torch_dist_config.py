@@ -27,7 +27,7 @@ def _qkv(q, k, v):
                       v.reshape(GROUPS, 1, HEAD_DIM, -1)], dim=1).reshape((HEADS + 2 * GROUPS) * HEAD_DIM, -1)
 
 
-def _torch_dist(hf, out):
+def _torch_dist(hf, out, adapters_only=False):
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file
 
@@ -54,6 +54,8 @@ def _torch_dist(hf, out):
     gen = torch.Generator().manual_seed(0)
     state["decoder.layers.self_attention.linear_qkv.adapter.linear_in.weight"] = torch.randn(LAYERS, DIM, HIDDEN, generator=gen)
     state["decoder.layers.self_attention.linear_qkv.adapter.linear_out.weight"] = torch.randn(LAYERS, rows, DIM, generator=gen)
+    if adapters_only:  # a Megatron-Bridge PEFT checkpoint: the HF model directory is the base
+        state = {k: v for k, v in state.items() if ".adapter." in k}
     dcp.save({k: v.contiguous() for k, v in state.items()}, checkpoint_id=str(out), no_dist=True)
     (out / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
     return out
@@ -64,7 +66,7 @@ def ckpt(tmp_path_factory):
     root = tmp_path_factory.mktemp("torch_dist")
     hf = make_base("qwen3_moe", root / "hf", hidden=HIDDEN, num_layers=LAYERS, num_experts=EXPERTS,
                    config_overrides={"num_attention_heads": HEADS, "num_key_value_heads": GROUPS, "head_dim": HEAD_DIM})
-    return hf, _torch_dist(hf, root / "ck")
+    return hf, _torch_dist(hf, root / "ck"), _torch_dist(hf, root / "ck_adapters", adapters_only=True)
 
 
 def _config_dir(tmp_path, hf, name, text=None, **changes):
@@ -83,7 +85,7 @@ def _merge(capsys, ckpt_dir, hf_config, out):
 
 
 def test_the_right_config_merges_with_or_without_its_weights(ckpt, tmp_path, capsys):
-    hf, ck = ckpt
+    hf, ck, _ = ckpt
     assert _merge(capsys, ck, hf, tmp_path / "m")[0] == 0
     assert _merge(capsys, ck, _config_dir(tmp_path, hf, "cfg"), tmp_path / "m2")[0] == 0
 
@@ -97,7 +99,7 @@ def test_the_right_config_merges_with_or_without_its_weights(ckpt, tmp_path, cap
     ("no_heads", {}, '{"model_type": "qwen3_moe", "hidden_size": 32}', "not an HF model config .*KeyError"),
 ])
 def test_another_models_config_is_refused_in_one_line(ckpt, tmp_path, capsys, name, changes, text, reason):
-    hf, ck = ckpt
+    hf, ck, _ = ckpt
     code, err = _merge(capsys, ck, _config_dir(tmp_path, hf, name, text, **changes), tmp_path / "out")
     assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert err.startswith("weightsync merge: error:") and "--hf-config" in err, err
@@ -105,3 +107,17 @@ def test_another_models_config_is_refused_in_one_line(ckpt, tmp_path, capsys, na
     assert re.search(reason, err), err
     assert not (tmp_path / "out").exists()
     shutil.rmtree(tmp_path / name)
+
+
+def test_an_adapter_only_checkpoint_against_a_config_whose_qkv_rows_differ(ckpt, tmp_path, capsys):
+    """A Bridge PEFT checkpoint (adapters only) over an HF directory of 8 heads: linear_out's qkv rows do not split
+    (was a ValueError from the layout table, not a merge error naming --hf-config)."""
+    hf, _, ck = ckpt
+    assert _merge(capsys, ck, hf, tmp_path / "ok")[0] == 0
+    other = tmp_path / "other"
+    shutil.copytree(hf, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps(dict(config, num_attention_heads=8)))
+    code, err = _merge(capsys, ck, other, tmp_path / "out")
+    assert code == 2 and len(err.splitlines()) == 1 and "--hf-config" in err and "linear_qkv" in err, err
+    assert not (tmp_path / "out").exists()
