@@ -64,7 +64,9 @@ def model_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int]]) -
 
 def mean_kl(p: Sequence[torch.Tensor], q: Sequence[torch.Tensor]) -> float:
     """Mean over every position of KL(p ‖ q) = Σ_v p_v (log p_v − log q_v), in float64 (``p``, ``q``: log-probs of
-    equal shapes, per sequence ``[positions, vocab]``). A token with q = 0 where p > 0 gives ``inf``.
+    equal shapes, per sequence ``[positions, vocab]``), each renormalized in float64 first: a float32 log-softmax
+    misses normalization by ~1e-7, which without it can read as a small negative KL. A token with q = 0 where p > 0
+    gives ``inf``.
 
     Raises:
         ValueError: different sequence counts or shapes.
@@ -73,7 +75,7 @@ def mean_kl(p: Sequence[torch.Tensor], q: Sequence[torch.Tensor]) -> float:
         raise ValueError(f"mean_kl: shapes differ: {[tuple(a.shape) for a in p]} vs {[tuple(b.shape) for b in q]}")
     total, positions = 0.0, 0
     for a, b in zip(p, q):
-        a, b = a.double(), torch.as_tensor(b).double()
+        a, b = torch.log_softmax(a.double(), -1), torch.log_softmax(torch.as_tensor(b).double(), -1)
         terms = torch.where(a > float("-inf"), a.exp() * (a - b), torch.zeros_like(a))
         total += float(terms.sum())
         positions += a.shape[0]
