@@ -147,7 +147,16 @@ def _config(hf_config) -> dict:
     if not path.is_file():
         raise ValueError(f"attach_megatron: hf_config={str(hf_config)!r} has no config.json; give the HF model "
                          f"directory the Megatron model was converted from")
-    return json.loads(path.read_text())
+    try:
+        config = json.loads(path.read_text())
+    except (ValueError, OSError) as exc:  # JSONDecodeError / UnicodeDecodeError are ValueErrors
+        raise ValueError(f"attach_megatron: hf_config {str(path)!r} is not a JSON config ({type(exc).__name__}: "
+                         f"{' '.join(str(exc).split())[:120]}); give the HF model directory the Megatron model was "
+                         f"converted from") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"attach_megatron: hf_config {str(path)!r} holds {type(config).__name__}, not a config object; "
+                         f"give the HF model directory the Megatron model was converted from")
+    return config
 
 
 def _digest(config: dict, rule: str, state) -> int:

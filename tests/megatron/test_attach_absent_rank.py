@@ -107,3 +107,13 @@ def test_an_unexpected_error_on_one_rank_fails_every_rank_at_once():
     for rank, kind, seconds, message in got:
         assert kind == "AttachError" and seconds < 10 * TIMEOUT_S, (rank, kind, seconds, message)
         assert "rank 1" in message and "refused" in message and len(message.splitlines()) == 1, message
+
+
+@pytest.mark.parametrize("text", ["{oops", "[1, 2]", "\udcff"])
+def test_an_hf_config_that_is_no_json_object_is_named(tmp_path, text):
+    """What every rank reports at attach names the file and the fix (was json's bare 'Expecting property name')."""
+    from sync_service.megatron.attach import _config
+
+    (tmp_path / "config.json").write_bytes(text.encode("utf-8", "surrogateescape"))
+    with pytest.raises(ValueError, match=r"hf_config '.*config\.json' .*give the HF model directory"):
+        _config(tmp_path)
