@@ -47,17 +47,19 @@ MAX_FILE_BYTES = 1 << 20
 def armed() -> dict[str, str]:
     """Name → fault kind, from the file ``$WEIGHTSYNC_TEST_FAULTS`` names (``{}``: unset, or no file).
 
-    Only a regular file of at most ``MAX_FILE_BYTES`` is read (opened non-blocking, so a FIFO or a device such as
-    ``/dev/zero`` is refused, never waited on or read without end).
+    Only an absolute path to a regular file of at most ``MAX_FILE_BYTES`` is read (opened non-blocking, so a FIFO
+    or a device such as ``/dev/zero`` is refused, never waited on or read without end).
 
     Raises:
-        ValueError: the path is not a regular file, is larger than ``MAX_FILE_BYTES``, is not UTF-8 JSON, or is not
-            ``{kind: [names]}`` with kinds of ``KINDS`` and string names.
+        ValueError: the path is not absolute, not a regular file, is larger than ``MAX_FILE_BYTES``, is not UTF-8
+            JSON, or is not ``{kind: [names]}`` with kinds of ``KINDS`` and string names.
     """
     path = os.environ.get(ENV)
     if not path:
         return {}
     fix = f"write it with engines.faults.arm or unset {ENV}"
+    if not os.path.isabs(path):  # each process (a vLLM server's worker too) would resolve it from its own cwd
+        raise ValueError(f"{ENV}={path}: not an absolute path; {fix}")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
@@ -78,7 +80,8 @@ def armed() -> dict[str, str]:
         raise ValueError(f"{ENV}={path}: not UTF-8 JSON ({exc}); {fix}") from None
     if (not isinstance(spec, dict) or set(spec) - set(KINDS)
             or not all(isinstance(v, list) and all(isinstance(n, str) for n in v) for v in spec.values())):
-        raise ValueError(f"{ENV}={path}: expected {{kind: [tensor names]}} with kinds {KINDS}, got {spec!r:.200}; {fix}")
+        raise ValueError(f"{ENV}={path}: expected {{kind: [tensor names]}} with kinds {KINDS}, got {spec!r:.200}; "
+                         f"{fix}")
     return {name: kind for kind, names in spec.items() for name in names}
 
 

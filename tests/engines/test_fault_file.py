@@ -27,7 +27,7 @@ def test_a_written_fault_file_arms_its_names(tmp_path, env):
     assert faults.armed() == {}
 
 
-@pytest.mark.parametrize("make", ["fifo", "device", "directory", "binary", "huge", "nested_name"])
+@pytest.mark.parametrize("make", ["fifo", "device", "directory", "binary", "huge", "nested_name", "relative"])
 def test_a_path_that_is_no_fault_file_is_refused_in_one_error(tmp_path, env, make):
     path = tmp_path / "faults.json"
     if make == "fifo":
@@ -40,6 +40,8 @@ def test_a_path_that_is_no_fault_file_is_refused_in_one_error(tmp_path, env, mak
         path.write_bytes(b"\xff\xfe\x00")
     elif make == "huge":
         path.write_text('{"corrupt": [' + ",".join(['"x"'] * (faults.MAX_FILE_BYTES // 4 + 1)) + "]}")
+    elif make == "relative":  # resolved from each process's own cwd: a server would silently arm nothing
+        path = "faults.json"
     else:
         path.write_text('{"corrupt": [["a.weight"]]}')
     env(path)
