@@ -68,6 +68,12 @@ def lora_alpha(path: str | Path, given: float | None) -> tuple[float, str]:
         except yaml.YAMLError as exc:
             raise MergeError(f"{run_config}: not YAML ({' '.join(str(exc).split())[:200]})") from None
         found = peft.get("alpha") if isinstance(peft, dict) else None
+        if found is not None and not _finite(found):
+            raise MergeError(f"{run_config}: peft.alpha {found!r} is not a finite number; fix it to the Megatron-Bridge "
+                             f"LoRA(alpha=...) the run used")
+    if given is not None and not _finite(given):
+        raise MergeError(f"--lora-alpha {given}: not a finite number; give the Megatron-Bridge LoRA(alpha=...) it was "
+                         f"trained with")
     if found is not None and given is not None and float(found) != float(given):
         raise MergeError(f"--lora-alpha {given} differs from peft.alpha {found} in {run_config}; drop the flag")
     if found is not None:
@@ -76,6 +82,13 @@ def lora_alpha(path: str | Path, given: float | None) -> tuple[float, str]:
         raise MergeError(f"{path}: LoRA alpha is not in a torch_dist checkpoint and there is no {RUN_CONFIG} "
                          f"beside it; give --lora-alpha (the Megatron-Bridge LoRA(alpha=...) it was trained with)")
     return float(given), "--lora-alpha"
+
+
+def _finite(value) -> bool:
+    """``value`` is a real, finite number (YAML may hold a string, a bool or ``.nan``)."""
+    import math
+
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _geometry(hf_dir: Path) -> dict[str, int]:

@@ -121,3 +121,23 @@ def test_an_adapter_only_checkpoint_against_a_config_whose_qkv_rows_differ(ckpt,
     code, err = _merge(capsys, ck, other, tmp_path / "out")
     assert code == 2 and len(err.splitlines()) == 1 and "--hf-config" in err and "linear_qkv" in err, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flag,run_config,named", [
+    ("nan", None, "--lora-alpha nan"), ("inf", None, "--lora-alpha inf"),
+    (None, "peft:\n  alpha: abc\n", "run_config.yaml: peft.alpha 'abc'"),
+    (None, "peft:\n  alpha: .nan\n", "run_config.yaml: peft.alpha nan"),
+])
+def test_an_alpha_that_is_no_finite_number_is_named(ckpt, tmp_path, capsys, flag, run_config, named):
+    """A NaN / inf --lora-alpha was refused naming a temporary adapter_config.json the user never wrote; a run
+    config's non-numeric alpha raised float()'s bare ValueError."""
+    hf, ck, _ = ckpt
+    if run_config is not None:
+        shutil.copytree(ck, tmp_path / "ck")
+        (tmp_path / "ck" / "run_config.yaml").write_text(run_config)
+        ck = tmp_path / "ck"
+    argv = ["merge", "--no-progress", "--base", str(ck), "--hf-config", str(hf), "--out", str(tmp_path / "out")]
+    code = main(argv + (["--lora-alpha", flag] if flag else []))
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and named in err and "adapter_config" not in err, err
+    assert not (tmp_path / "out").exists()
