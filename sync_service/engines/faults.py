@@ -4,7 +4,8 @@ Off unless the process's environment names a fault file (``WEIGHTSYNC_TEST_FAULT
 here runs otherwise (``Staging.begin`` reads one environment variable). The served check's fault tests
 (``tests/engines/test_served_check.py``, ``tests/vllm/``) arm it to show that ``SyncConfig.check_served="enforce"``
 refuses such a version on every engine kind; a process started without the variable (every production engine)
-never reads a fault file.
+never reads a fault file, and the ``weightsync`` commands drop it from their environment before any engine, Ray
+worker or vLLM server inherits it (``entrypoints/cli.py``).
 
 Where: ``engines.staging.Staging.apply``, the copy every engine's ``apply`` ends in — the transformers and memory
 engines' staging, and the vLLM worker's checkpoint store (``engines.vllm.store``: a vLLM engine in process and a

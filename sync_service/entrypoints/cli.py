@@ -175,6 +175,19 @@ def sigterm_kept():
             signal.signal(signal.SIGTERM, before)
 
 
+def _disarm_test_faults(command: str) -> None:
+    """Drop ``$WEIGHTSYNC_TEST_FAULTS`` (the engines' test-only fault hook, ``engines/faults.py``) from this process
+    before any engine, Ray worker or vLLM server inherits it: a variable left exported from a test session must never
+    corrupt a real sync. Says so on stderr in one line."""
+    import os
+
+    from sync_service.engines.faults import ENV
+
+    if os.environ.pop(ENV, None) is not None:
+        print(f"weightsync {command}: ignoring ${ENV} (the engines' test-only fault hook; the commands never arm "
+              f"it)", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None, *, launcher=None) -> int:
     """Parse ``argv`` and run the sub-command. ``launcher``: a ``protocols.endpoints.Launcher`` for
     sub-commands that start actors (``actors.cli.main``, the console script, passes one)."""
@@ -184,6 +197,7 @@ def main(argv: list[str] | None = None, *, launcher=None) -> int:
         parser.exit(EXIT_BAD_INPUT, f"weightsync {args.command}: error: unrecognized arguments: {' '.join(unknown)} "
                                     f"(see weightsync {args.command} --help)\n")
     args.launcher = launcher if launcher is not None else _NoLauncher(args.command)
+    _disarm_test_faults(args.command)
     from sync_service.entrypoints.progress import set_command
 
     set_command(f"weightsync {args.command}")  # the prefix of the progress log lines off a terminal
