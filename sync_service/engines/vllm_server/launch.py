@@ -6,8 +6,8 @@
 The command line is the documented one (docs/vllm.md, "Updating a running vLLM server"; the test
 ``tests/vllm/test_doc_command.py`` holds them equal): ``VLLM_SERVER_DEV_MODE=1 VLLM_CPU_OMP_THREADS_BIND=nobind
 python -m vllm.entrypoints.openai.api_server --model DIR --dtype D --kv-cache-memory-bytes 1G --enforce-eager
---host 127.0.0.1 --port P --weight-transfer-config '{"backend": "weightsync"}'``, then this module's own
-flags (``--seed 0``, ``--max-logprobs -1`` for the verification's ``policy_kl``, ...) (the ``vllm`` console script does not run under the ``vllm-cpu`` distribution). ``with_backend=False`` starts it without the backend (to
+--host 127.0.0.1 --port P --weight-transfer-config '{"backend": "weightsync"}'``, ``--max-logprobs -1`` (full-vocabulary
+prompt logprobs for the verification's ``policy_kl``), then this module's own flags (``--seed 0``, ...) (the ``vllm`` console script does not run under the ``vllm-cpu`` distribution). ``with_backend=False`` starts it without the backend (to
 show the error a user gets). The server runs from a temporary directory, so no folder of the
 caller's working directory shadows an installed package; its output goes to ``log_path``.
 """
@@ -46,7 +46,8 @@ def server_command(model_dir: str | Path, port: int, *, dtype: str, max_model_le
            "--kv-cache-memory-bytes", KV_CACHE, "--enforce-eager", "--host", "127.0.0.1", "--port", str(port)]
     if with_backend:
         cmd += ["--weight-transfer-config", json.dumps({"backend": BACKEND})]
-    cmd += ["--seed", "0", "--max-logprobs", "-1"]  # full-vocabulary prompt logprobs: the verification's policy_kl
+    cmd += ["--max-logprobs", "-1"]  # full-vocabulary prompt logprobs: the verification's policy_kl
+    cmd += ["--seed", "0"]
     if max_model_len is not None:
         cmd += ["--max-model-len", str(max_model_len)]
     if api_key:
