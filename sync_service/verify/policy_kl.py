@@ -15,13 +15,15 @@ floor means merged serving costs about what the trainer's dtype costs already.
 
 from __future__ import annotations
 
+import re
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 __all__ = ["SEQUENCES", "SEQUENCE_TOKENS", "mean_kl", "model_logprobs", "policy_check", "policy_floor",
-           "trainer_policy", "verification_sequences", "vocab_size"]
+           "trainer_policy", "warn_logprobs_refused", "verification_sequences", "vocab_size"]
 
 SEQUENCES = 4
 """Verification sequences per version."""
@@ -97,6 +99,23 @@ def vocab_size(base: str | Path) -> int:
     return int(AutoConfig.from_pretrained(str(base)).get_text_config().vocab_size)
 
 
+_REFUSED = re.compile(r"the server at (\S+) refuses full-vocabulary prompt logprobs")
+_WARNED: set[str] = set()
+
+
+def warn_logprobs_refused(error: BaseException) -> bool:
+    """One stderr line per server URL and process when ``error`` (an engine's ``token_logprobs`` failure) is a vLLM
+    server refusing full-vocabulary prompt logprobs (``VLLMServerEngine.token_logprobs``): its ``policy_kl`` is
+    ``None`` because the server was started without ``--max-logprobs -1``. True when it printed the line."""
+    found = _REFUSED.search(str(error))
+    if found is None or found.group(1) in _WARNED:
+        return False
+    _WARNED.add(found.group(1))
+    print(f"weightsync: policy_kl is null: the vLLM server at {found.group(1)} refuses full-vocabulary prompt "
+          f"logprobs; restart it with --max-logprobs -1 (docs/vllm.md)", file=sys.stderr)
+    return True
+
+
 def policy_check(base: str | Path, adapter: str | Path | None, engines: Sequence, *,
                  timeout_s: float) -> tuple[float, list[float | None]]:
     """``(policy_kl_floor, [policy_kl per engine])`` of one version: the trainer-dtype unmerged PEFT policy against
@@ -113,7 +132,8 @@ def policy_check(base: str | Path, adapter: str | Path | None, engines: Sequence
     for engine in engines:
         try:
             logprobs, _ = ray.get(engine.token_logprobs.remote(sequences), timeout=timeout_s)
-        except (TypeError, AttributeError):
+        except (TypeError, AttributeError) as exc:
+            warn_logprobs_refused(exc)
             kls.append(None)
             continue
         kls.append(mean_kl(trainer, [torch.tensor(a) for a in logprobs]))

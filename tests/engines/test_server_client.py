@@ -185,12 +185,14 @@ class _LogprobHandler(_Handler):
 
 
 @pytest.mark.parametrize("limited", [False, True])
-def test_token_logprobs_over_http(limited: bool) -> None:
+def test_token_logprobs_over_http(limited: bool, capsys) -> None:
     """The server's full-vocabulary prompt logprobs (``/v1/completions``, ``prompt_logprobs: -1``) become one
     ``[len - 1, vocab]`` log-softmax matrix per sequence with the version served; a server started without
     ``--max-logprobs -1`` (vLLM refuses the request) reads as an engine with no logprobs (``TypeError``, which
-    ``policy_check`` reports as ``policy_kl: null``), naming the flag."""
+    ``policy_check`` reports as ``policy_kl: null``), naming the flag; ``policy_check`` says so once on stderr."""
     import torch
+
+    from sync_service.verify.policy_kl import warn_logprobs_refused
 
     from actors.vllm_server import VLLMServerActorCore
 
@@ -200,8 +202,13 @@ def test_token_logprobs_over_http(limited: bool) -> None:
     try:
         actor = VLLMServerActorCore(VLLMServerConfig(url=f"http://127.0.0.1:{server.server_address[1]}", timeout_s=10))
         if limited:
-            with pytest.raises(TypeError, match=r"greater than max allowed: 20.*start it with --max-logprobs -1"):
+            with pytest.raises(TypeError, match=r"greater than max allowed: 20.*start it with --max-logprobs -1") as err:
                 actor.token_logprobs([[2, 0, 1]])
+            capsys.readouterr()
+            assert warn_logprobs_refused(err.value) and not warn_logprobs_refused(err.value)  # once per server
+            (line,) = capsys.readouterr().err.splitlines()
+            assert f"the vLLM server at {actor.engine.config.url} refuses" in line and "--max-logprobs -1" in line
+            assert not warn_logprobs_refused(TypeError("engine reports no logprobs"))  # other engines: silent
             return
         (got,), version = actor.token_logprobs([[2, 0, 1]])
         assert version == 3 and got.shape == (2, 4)

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from protocols.interfaces import PauseMode
-from sync_service.engines.vllm_server.client import ServerClient, ServerRequestError, ServerSetupError
+from sync_service.engines.vllm_server.client import ServerClient, ServerRequestError, ServerSetupError, redact
 from sync_service.engines.vllm_server.wire import BACKEND, COMMAND_METHOD, InitInfo, command_body, command_op, served_body, unb64
 from sync_service.transports import TransportSpec
 
@@ -273,8 +273,8 @@ class VLLMServerEngine:
             except ServerRequestError as exc:
                 if "logprobs" not in str(exc):
                     raise
-                raise LogprobsUnavailable(self.config.url, f"{self.name}: the server refuses full-vocabulary prompt "
-                                          f"logprobs ({exc}); start it with --max-logprobs -1") from None
+                raise LogprobsUnavailable(self.config.url, f"{self.name}: the server at {redact(self.config.url)} refuses "
+                                          f"full-vocabulary prompt logprobs ({exc}); start it with --max-logprobs -1") from None
             rows = [None if row is None else {int(k): float(v["logprob"]) for k, v in row.items()}
                     for row in choice["prompt_logprobs"]]
             out.append(logprob_matrix(len(seq), vocab, rows))
