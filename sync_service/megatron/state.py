@@ -13,6 +13,7 @@ the rank's placements (``placement.py``: Megatron's parallel state and parameter
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -350,7 +351,7 @@ def _scale(prefix: str, module, alpha: float | None) -> float:
     """alpha / dim of a Bridge adapter module (its own ``alpha`` and ``dim``; ``alpha`` where it has none).
 
     Raises:
-        ValueError: neither carries alpha, or both and they differ."""
+        ValueError: neither carries alpha, or both and they differ, or alpha / dim is not finite (NaN, inf, dim 0)."""
     dim, own = getattr(module, "dim", None), getattr(module, "alpha", None)
     if dim is None:
         raise ValueError(f"{prefix}.adapter has no dim: not a Megatron-Bridge LoRA adapter")
@@ -360,7 +361,11 @@ def _scale(prefix: str, module, alpha: float | None) -> float:
     if value is None:
         raise ValueError(f"{prefix}.adapter carries no alpha; give attach_megatron(lora_alpha=...) (Bridge's "
                          f"LoRA(alpha=...))")
-    return float(value) / float(dim)
+    scale = float(value) / float(dim) if float(dim) > 0 else float("nan")
+    if not math.isfinite(scale):  # a NaN / inf alpha would reach the engines only as non-finite merged weights
+        raise ValueError(f"{prefix}.adapter: alpha {value!r} / dim {dim!r} is no finite LoRA scale; give "
+                         f"attach_megatron(lora_alpha=...) the finite alpha Bridge's LoRA(alpha=...) was built with")
+    return scale
 
 
 def _check_names(segments: list[Segment], shapes: dict[str, tuple[int, ...]]) -> None:

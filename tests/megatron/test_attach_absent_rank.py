@@ -117,3 +117,14 @@ def test_an_hf_config_that_is_no_json_object_is_named(tmp_path, text):
     (tmp_path / "config.json").write_bytes(text.encode("utf-8", "surrogateescape"))
     with pytest.raises(ValueError, match=r"hf_config '.*config\.json' .*give the HF model directory"):
         _config(tmp_path)
+
+
+@pytest.mark.parametrize("own,given", [(None, float("nan")), (None, float("inf")), (float("nan"), None)])
+def test_an_alpha_that_gives_no_finite_scale_is_refused_at_attach(own, given):
+    """Was: a NaN scale that surfaced only at the push, as non-finite merged weights named by tensor."""
+    from sync_service.megatron.state import _scale
+
+    module = types.SimpleNamespace(dim=4, alpha=own)
+    with pytest.raises(ValueError, match="no finite LoRA scale.*lora_alpha"):
+        _scale("decoder.layers.0.self_attention.linear_qkv", module, given)
+    assert _scale("x", types.SimpleNamespace(dim=4, alpha=None), 8.0) == 2.0
