@@ -66,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with a Megatron-Core torch_dist --base: the HF model directory it was converted from "
                              "(config.json; its weights where the checkpoint holds only the LoRA) (docs/integrate.md)")
     parser.add_argument("--lora-alpha", default=None, type=float,
-                        help="with a torch_dist --base and no Megatron-Bridge run_config.yaml beside it: the LoRA alpha "
+                        help="with a torch_dist --base and no Megatron-Bridge run_config.yaml inside it: the LoRA alpha "
                              "it was trained with (the merge is W + alpha/dim * linear_out @ linear_in)")
     parser.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
     parser.add_argument("--target", default="hf", choices=sorted(TARGETS), help="output naming (default: hf, as save_pretrained)")

@@ -20,7 +20,7 @@ same at every TP / EP / PP: per layer stacked on dim 0 (``decoder.layers.self_at
   ``lora_B``; ``r`` = dim (from the shapes), ``lora_alpha`` = Bridge's alpha, so PEFT's scaling alpha/r is
   Bridge's alpha/dim and the merge is W + (alpha/dim)·linear_out @ linear_in, per projection.
 
-Alpha is not in the checkpoint: it comes from Megatron-Bridge's ``run_config.yaml`` beside it (``peft.alpha``,
+Alpha is not in the checkpoint: it comes from Megatron-Bridge's ``run_config.yaml`` inside it (``peft.alpha``,
 ``peft.dim``), else the caller's ``alpha``; neither is an error. Memory: the checkpoint's tensors once.
 """
 
