@@ -20,6 +20,7 @@ metadata records from a table of allowed GLOBALs, and its data files must be pla
 from __future__ import annotations
 
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -29,6 +30,9 @@ from sync_service.merge.errors import MergeError
 __all__ = ["hf_dirs", "is_dcp_dir", "read_dcp_state", "resolve_inputs"]
 
 METADATA = ".metadata"
+SINGLE_PROCESS_WARNING = r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to load"
+"""The start of the ``UserWarning`` ``dcp.load`` gives for every read without a process group
+(``torch/distributed/checkpoint/state_dict_loader.py``): ``read_dcp_state`` reads in one process on purpose."""
 
 
 def is_dcp_dir(path: str | Path) -> bool:
@@ -87,7 +91,9 @@ def read_dcp_state(path: str | Path, *, tensors_only: bool = False) -> dict[str,
     except RuntimeError as exc:  # sizes whose product overflows or exceeds memory
         raise MergeError(f"{path}: cannot hold its tensors ({' '.join(str(exc).split())[:200]})") from None
     try:
-        dcp.load(state, storage_reader=_reader(path), no_dist=True)
+        with warnings.catch_warnings():  # the single-process read is the intent here, not a fallback to report
+            warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING, category=UserWarning)
+            dcp.load(state, storage_reader=_reader(path), no_dist=True)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's wrapper is a BaseException
         raise MergeError(f"{path}: torch.distributed.checkpoint cannot read it ({type(exc).__name__}: "
                          f"{' '.join(str(exc).split())[:300]})") from None
