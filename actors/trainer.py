@@ -157,7 +157,8 @@ class TrainerShardCore:
     # -- training-side hooks ---------------------------------------------------------------
     def set_factors(self, updates: dict[str, np.ndarray]) -> None:
         """Replace local factor values (PEFT keys as this rank holds them)."""
-        set_factors(self._state(), {k: torch.from_numpy(np.asarray(v)) for k, v in updates.items()})
+        # a copy: arrays from ray.get are read-only views of the object store (torch warns on them)
+        set_factors(self._state(), {k: torch.from_numpy(np.array(v, copy=True)) for k, v in updates.items()})
 
     def train_step(self, step: int, scale: float = 0.02) -> None:
         """Change the factors as an optimizer step would: factor += ``step_delta`` (deterministic,
