@@ -67,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
     base, adapter = ensure_files(args.cache_dir)
     cfg = RunConfig(base=base, adapter=adapter, ep=ep, tp=tp, engine=args.engine, engines=engines,
                     versions=args.versions, transport=args.transport, bucket_bytes=args.bucket_bytes,
-                    timeout_s=args.timeout, json_path=args.json, metrics_port=args.metrics_port, **version_options(args))
+                    timeout_s=args.timeout, json_path=args.json, metrics_port=args.metrics_port,
+                    check_served=args.check_served, **version_options(args))
     return execute_engine(cfg, {"model": DEMO_MODEL, "adapter": DEMO_ADAPTER, "cache_dir": str(args.cache_dir)},
                           args.launcher)
 
@@ -92,7 +93,8 @@ def _run_live(args: argparse.Namespace) -> int:
         base = ensure_tp_base(args.cache_dir)
     cfg = RunConfig(base=base, adapter=None, engine="hf", engines=engines, versions=args.versions,
                     transport=args.transport, bucket_bytes=args.bucket_bytes, timeout_s=args.timeout,
-                    json_path=args.json, metrics_port=args.metrics_port, **version_options(args))
+                    json_path=args.json, metrics_port=args.metrics_port,
+                    check_served=args.check_served, **version_options(args))
     return run_trainer_demo(cfg, {"model": DEMO_MODEL, "cache_dir": str(args.cache_dir)}, kind=args.trainer,
                             launcher=args.launcher)
 
@@ -108,6 +110,7 @@ def _run_megatron(args: argparse.Namespace, engines: int) -> int:
     kind = MEGATRON_TRAINERS[args.trainer]
     cfg = RunConfig(base=base, adapter=None, ep=kind.ep, tp=kind.tp, engine="hf", engines=engines,
                     versions=args.versions, transport=args.transport, bucket_bytes=args.bucket_bytes,
-                    timeout_s=args.timeout, json_path=args.json, metrics_port=args.metrics_port, **version_options(args))
+                    timeout_s=args.timeout, json_path=args.json, metrics_port=args.metrics_port,
+                    check_served=args.check_served, **version_options(args))
     return run_megatron_demo(cfg, {"model": DEMO_MODEL, "cache_dir": str(args.cache_dir)}, kind=args.trainer,
                              launcher=args.launcher)

@@ -10,7 +10,10 @@ from sync_service import defaults
 from sync_service.entrypoints.preflight import CLI_ENGINES
 from sync_service.transports.spec import TRANSPORTS
 
-__all__ = ["absolute_path", "add_arguments", "add_common_arguments", "add_version_arguments", "version_options"]
+__all__ = ["CHECK_SERVED", "absolute_path", "add_arguments", "add_common_arguments", "add_version_arguments", "version_options"]
+
+CHECK_SERVED = ("off", "log", "enforce")
+"""The values of ``--check-served`` (``SyncConfig.check_served``)."""
 
 
 def absolute_path(text: str) -> Path:
@@ -65,6 +68,10 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, versions: int) -> N
     parser.add_argument("--json", type=absolute_path, default=None, help="write the results as JSON to this path")
     parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                         help="serve Prometheus metrics on 127.0.0.1:PORT/metrics while the run lasts (0: a free port)")
+    parser.add_argument("--check-served", choices=CHECK_SERVED, default="log",
+                        help="each engine's check of the bytes it is about to serve (SyncConfig.check_served; "
+                             "default log: a finding is a warning and the version commits; enforce: the engine refuses "
+                             "the commit; off: not installed; docs/operations.md)")
     add_version_arguments(parser)
 
 

@@ -89,6 +89,9 @@ class RunConfig:
     reset_versions: bool = False
     """Number versions from ``first_version`` (default 0) even at or below what the engines serve
     (``SyncConfig.reset_versions``)."""
+    check_served: str = "log"
+    """Each engine's check of what it is about to serve (``SyncConfig.check_served``): ``"off"`` | ``"log"`` |
+    ``"enforce"``."""
 
 
 @dataclass(slots=True)
@@ -205,7 +208,8 @@ def sync_config(cfg: RunConfig):
 
     return SyncConfig(transport=cfg.transport, bucket_bytes=cfg.bucket_bytes, timeout_s=cfg.timeout_s,
                       check_finite=cfg.check_finite, secret=cfg.secret, metrics_port=cfg.metrics_port,
-                      accumulate_dtype=cfg.accumulate_dtype, reset_versions=cfg.reset_versions)
+                      accumulate_dtype=cfg.accumulate_dtype, reset_versions=cfg.reset_versions,
+                      check_served=cfg.check_served)
 
 
 @contextmanager
@@ -383,5 +387,6 @@ def _run_checked(args: argparse.Namespace, ep: int, tp: int, given: dict) -> int
                     versions=args.versions, transport=args.transport, bucket_bytes=args.bucket_bytes,
                     timeout_s=args.timeout, json_path=args.json, digests_path=args.digests, check_finite=args.check_finite, secret=secret,
                     metrics_port=args.metrics_port, vllm_urls=tuple(args.vllm_urls),
-                    vllm_api_key=args.vllm_api_key or os.environ.get("VLLM_API_KEY"), **version_options(args))
+                    vllm_api_key=args.vllm_api_key or os.environ.get("VLLM_API_KEY"), check_served=args.check_served,
+                    **version_options(args))
     return execute_engine(cfg, given, args.launcher)
