@@ -113,7 +113,7 @@ def _verify(ranks, engines, names, version: int, timeout_s: float, oracles: list
     rows = []
     for name, engine in zip(names, engines):
         lps, served = ray.get(engine.token_logprobs.remote([list(t) for t in ORACLE_TOKENS]), timeout=timeout_s)
-        got = torch.stack([torch.from_numpy(lp).double() for lp in lps])
+        got = torch.stack([torch.from_numpy(lp.copy()).double() for lp in lps])
         if got.shape != want.shape:
             raise ValueError(f"{name}: log-probabilities {tuple(got.shape)}, Megatron's {tuple(want.shape)}")
         diff = (got - want).abs().max().item()
