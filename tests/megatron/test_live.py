@@ -31,7 +31,7 @@ def megatron(ray_local, hf_model):
 def megatron_logprobs(ranks) -> torch.Tensor:
     """Megatron's forward (all ranks; the last stage's answer) as float64 next-token log-probabilities [s-1, V]."""
     logits = [x for x in ray.get([r.logits.remote() for r in ranks], timeout=300) if x is not None][0][0]
-    return torch.log_softmax(torch.from_numpy(logits).double(), -1)[:-1]
+    return torch.log_softmax(torch.from_numpy(logits.copy()).double(), -1)[:-1]
 
 
 def engine_logprobs(engine) -> tuple[torch.Tensor, int | None]:
