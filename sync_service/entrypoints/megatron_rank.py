@@ -95,7 +95,7 @@ def megatron_logits(model, tokens: torch.Tensor = TOKENS) -> torch.Tensor | None
     mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).expand(b, 1, s, s)
     positions = torch.arange(s).expand(b, s)
     for chunk in model:
-        chunk.eval()
+        chunk.train(False)  # inference mode (nn.Module.train(False): dropout off)
     chunk = model[0]
     pp, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     if pp > 1:

@@ -166,8 +166,8 @@ class AdapterTrainer:
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        for chunk in self.model:  # eval mode: see the class docstring
-            chunk.eval()
+        for chunk in self.model:  # inference mode (train(False)): see the class docstring
+            chunk.train(False)
         self.optimizer.zero_grad(set_to_none=True)
         config = self.model[0].config
         config.finalize_model_grads_func = None  # we reduce below, as Megatron's DDP would
